@@ -1,0 +1,39 @@
+"""dpool: ``nn.DataParallel``'s one-line API, with replicas in long-lived worker processes.
+
+>>> import dpool
+>>> model = dpool.wrap(net, device_ids=["cpu", "cpu"])
+"""
+from __future__ import annotations
+
+from .config import Config
+from .data_parallel import DataParallel, is_wrapped, unwrap, wrap
+from .errors import (
+    AuthError,
+    DpoolError,
+    PoolBrokenError,
+    ProtocolError,
+    RemoteError,
+    SharedMemoryError,
+    WorkerDiedError,
+    WorkerStartError,
+    WorkerTimeoutError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "wrap",
+    "unwrap",
+    "is_wrapped",
+    "DataParallel",
+    "Config",
+    "DpoolError",
+    "RemoteError",
+    "WorkerDiedError",
+    "WorkerTimeoutError",
+    "WorkerStartError",
+    "PoolBrokenError",
+    "ProtocolError",
+    "AuthError",
+    "SharedMemoryError",
+]

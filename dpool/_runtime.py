@@ -1,0 +1,386 @@
+"""One training step, coordinator side: scatter → dispatch → gather, and backward.
+
+:class:`Runtime` owns the pool, the shared parameter segment and each worker's
+I/O segments. The master's parameters are rebound (``p.data = view``) to views
+of the shared segment, so the optimizer's in-place updates reach every replica
+with no copy. ``close()`` rebinds them to private memory again, so the master
+module outlives the pool.
+
+A step is transactional: the master is only touched after every shard has
+succeeded (buffers are committed after the forward round; gradients are
+returned to autograd after the backward round). A failed round leaves the
+master's parameters, gradients, buffers and optimizer state as they were.
+"""
+from __future__ import annotations
+
+import io
+import sys
+import warnings
+import weakref
+from typing import Any, Sequence
+
+import cloudpickle
+import torch
+
+from . import _gather, _scatter, _tree
+from . import protocol as P
+from ._autograd import Bridge, CallState
+from ._layout import Layout
+from ._tensors import Placer, dtype_name, nbytes, read
+from .config import Config
+from .errors import RemoteError, WorkerStartError, remote_error
+from .pool import Pool
+from .shm import Segment, sweep, tensor_view
+
+__all__ = ["Runtime"]
+
+_MIN_IO = 1 << 20
+
+
+class _Pickler(cloudpickle.Pickler):
+    """Pickles the model with its parameters and buffers replaced by references."""
+
+    def __init__(self, file: io.BytesIO, ids: dict[int, tuple]) -> None:
+        super().__init__(file, protocol=pickle_protocol())
+        self._ids = ids
+
+    def persistent_id(self, obj: Any) -> Any:  # noqa: D401
+        if isinstance(obj, torch.Tensor):
+            return self._ids.get(id(obj))
+        return None
+
+
+def pickle_protocol() -> int:
+    import pickle
+
+    return pickle.HIGHEST_PROTOCOL
+
+
+class _IO:
+    """A worker's growable I/O segment for one role."""
+
+    __slots__ = ("seg",)
+
+    def __init__(self) -> None:
+        self.seg: Segment | None = None
+
+
+class Runtime:
+    """Runs a module's forward and backward on a pool of worker processes.
+
+    Args:
+        module: the master module (parameters on CPU).
+        devices: one device string per worker.
+        dim: scatter/gather dimension.
+        config: limits and timeouts.
+        worker_threads: torch threads per worker.
+    """
+
+    def __init__(self, module: torch.nn.Module, devices: Sequence[str], dim: int, config: Config,
+                 worker_threads: int) -> None:
+        self.module = module
+        self.dim = dim
+        self.config = config
+        self.n = len(devices)
+        sweep(config.shm_dir)
+        self.param_names = [n for n, _ in module.named_parameters()]
+        self.params = list(module.parameters())
+        named_buffers = [(n, b) for n, b in module.named_buffers()]
+        self.buffer_names = [n for n, _ in named_buffers]
+        self.buffers = [b for _, b in named_buffers]
+        for name, t in list(zip(self.param_names, self.params)) + named_buffers:
+            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+                raise ValueError(
+                    f"{name} is an uninitialized (lazy) tensor; run one forward pass on a sample batch "
+                    "before dpool.wrap() so that its shape is known"
+                )
+            if t.device.type != "cpu":
+                raise ValueError(
+                    f"{name} is on {t.device}, but CPU workers need the master module on the CPU; "
+                    "call module.cpu() before dpool.wrap(), or pass CUDA device_ids"
+                )
+        self.layout = Layout(self.params, self.buffers)
+        self._next_call = 0
+        self._release: set[int] = set()
+        self._live: dict[int, Any] = {}  # call -> weakref to the autograd ctx
+        self._regions: list[dict[int, tuple[Segment, int, int]]] = [{} for _ in range(self.n)]
+        self._io = [{r: _IO() for r in ("in", "out", "gout", "gin")} for _ in range(self.n)]
+        self._closed = False
+        self.pool = Pool(devices, config, worker_threads)
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ start
+    def _start(self) -> None:
+        pool, layout = self.pool, self.layout
+        self.master = pool.new_segment(layout.size, min_size=64)
+        self.param_views = []
+        for p, off in zip(self.params, layout.param_offsets):
+            v = tensor_view(self.master.u8, off, p.dtype, p.shape)
+            v.copy_(p.detach())
+            self.param_views.append(v)
+        self.buffer_views = []
+        for b, off in zip(self.buffers, layout.buffer_offsets):
+            v = tensor_view(self.master.u8, off, b.dtype, b.shape)
+            v.copy_(b.detach())
+            self.buffer_views.append(v)
+        with torch.no_grad():
+            for p, v in zip(self.params, self.param_views):
+                p.data = v
+            for b, v in zip(self.buffers, self.buffer_views):
+                b.data = v
+        self._ptrs = [p.data_ptr() for p in self.params] + [b.data_ptr() for b in self.buffers]
+        self.states = [pool.new_segment(layout.size, min_size=64) for _ in range(self.n)]
+        ids: dict[int, tuple] = {}
+        for i, p in enumerate(self.params):
+            ids[id(p)] = ("p", i, p.requires_grad)
+        for i, b in enumerate(self.buffers):
+            ids.setdefault(id(b), ("b", i))
+        buf = io.BytesIO()
+        try:
+            _Pickler(buf, ids).dump(self.module)
+        except Exception as exc:
+            raise TypeError(f"dpool could not pickle the model to ship it to the workers: {exc}") from exc
+        pl = Layout.wire(self.params, layout.param_offsets, True)
+        bl = Layout.wire(self.buffers, layout.buffer_offsets, False)
+        msgs = {
+            i: P.Init(buf.getvalue(), [p for p in sys.path if isinstance(p, str)], self.master.ref(),
+                      self.states[i].ref(), pl, bl, pool.threads)
+            for i in range(self.n)
+        }
+        replies = pool.request(msgs, "loading the model", timeout=self.config.startup_timeout_s)
+        for i, r in sorted(replies.items()):
+            if isinstance(r, P.Failed):
+                w = pool.workers[i]
+                raise WorkerStartError(
+                    f"{w.where()} failed while {r.stage}: {r.qualname}: {r.message}\n"
+                    "Every class the model uses must be importable in the workers (they get the coordinator's "
+                    f"sys.path) or defined in the training script.\n--- remote traceback ---\n{r.traceback}"
+                )
+        pool.unlink_segments()
+        b = self.layout.buffer_range
+        if b is not None:
+            self._master_buffers = self.master.u8[b[0]:b[1]]
+            self._first_buffers = self.states[0].u8[b[0]:b[1]]
+
+    # ------------------------------------------------------------------ helpers
+    def _ensure(self, w: int, role: str, nbytes_: int) -> Segment:
+        slot = self._io[w][role]
+        seg = slot.seg
+        if seg is None or seg.size < nbytes_:
+            want = max(nbytes_, _MIN_IO, 2 * seg.size if seg is not None else 0)
+            slot.seg = seg = self.pool.new_segment(want)
+        return seg
+
+    def _input_region(self, w: int, need: int) -> tuple[Segment, int]:
+        seg = self._io[w]["in"].seg
+        start = 0
+        if seg is not None:
+            for rseg, _, end in self._regions[w].values():
+                if rseg is seg:
+                    start = max(start, end)
+        if seg is None or start + need > seg.size:
+            slot = self._io[w]["in"]
+            want = max(need, _MIN_IO, 2 * seg.size if seg is not None else 0)
+            slot.seg = seg = self.pool.new_segment(want)
+            start = 0
+        return seg, start
+
+    def _collect_released(self) -> list[int]:
+        for call, ref in list(self._live.items()):
+            ctx = ref()
+            freed = ctx is None
+            if not freed:
+                try:
+                    ctx.saved_tensors
+                except RuntimeError:
+                    freed = True
+            if freed:
+                del self._live[call]
+                self._release.add(call)
+                for regions in self._regions:
+                    regions.pop(call, None)
+        out = sorted(self._release)
+        self._release.clear()
+        return out
+
+    def _check_bindings(self) -> None:
+        """Re-attach master tensors the user replaced (``p.data = ...``, ``load_state_dict(assign=True)``)."""
+        tensors = self.params + self.buffers
+        for i, t in enumerate(tensors):
+            if t.data_ptr() != self._ptrs[i]:
+                self._rebind(i, t)
+
+    def _rebind(self, i: int, t: torch.Tensor) -> None:
+        views = self.param_views + self.buffer_views
+        names = self.param_names + self.buffer_names
+        v = views[i]
+        if t.shape != v.shape or t.dtype != v.dtype or t.device.type != "cpu":
+            raise RuntimeError(
+                f"{names[i]} of the master module changed to {tuple(t.shape)}/{t.dtype}/{t.device} after "
+                f"dpool.wrap() (it was {tuple(v.shape)}/{v.dtype}/cpu). The workers' replicas cannot follow a "
+                "change of shape, dtype or device: close this model and dpool.wrap() the module again."
+            )
+        with torch.no_grad():
+            v.copy_(t.detach())
+            t.data = v
+        self._ptrs[i] = t.data_ptr()
+
+    def _raise_failures(self, replies: dict[int, P.Message], where: str) -> None:
+        failed = sorted((i, r) for i, r in replies.items() if isinstance(r, P.Failed))
+        if not failed:
+            return
+        i, r = failed[0]
+        w = self.pool.workers[i]
+        err = remote_error(r.module, r.qualname, r.message, r.traceback, worker=i, device=w.device, pid=w.pid,
+                           step=self.pool.step, where=f"{where} (shard {i})")
+        raise err
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        pool = self.pool
+        pool.check_usable()
+        self._check_bindings()
+        release = self._collect_released()
+        tensors: list[torch.Tensor] = []
+        spec = _tree.flatten((tuple(args), dict(kwargs)), tensors)
+        k, splits = _scatter.plan(tensors, self.n, self.dim, self.shard_weights())
+        shards = _scatter.shard_views(tensors, splits, k, self.dim)
+        grad = torch.is_grad_enabled()
+        rg = [grad and t.requires_grad for t in tensors]
+        training = bytes(m.training for m in self._modules())
+        requires_grad = bytes(p.requires_grad for p in self.params)
+        autocast = None
+        if torch.is_autocast_enabled("cpu"):
+            autocast = ["cpu", dtype_name(torch.get_autocast_dtype("cpu")), torch.is_autocast_cache_enabled()]
+        call = self._next_call = self._next_call + 1
+        pool.step += 1
+        msgs: dict[int, P.Message] = {}
+        spans: list[tuple[Segment, int, int]] = []
+        gin_sizes = []
+        for s in range(k):
+            placer = Placer()
+            offs = [placer.reserve(t) for t in shards[s]]
+            seg, start = self._input_region(s, placer.offset)
+            metas = [Placer.write(seg.u8, start + o, t, r) for o, t, r in zip(offs, shards[s], rg)]
+            spans.append((seg, start, start + placer.offset))
+            gin = Placer()
+            for t, r in zip(shards[s], rg):
+                if r:
+                    gin.reserve(t)
+            gin_sizes.append(gin.offset)
+            out = self._ensure(s, "out", 0)
+            msgs[s] = P.Forward(call, pool.step, grad, training, requires_grad, self.layout.buffer_range is not None,
+                                seg.ref(), out.ref(), spec, metas, s, autocast, release)
+        try:
+            replies = pool.request(msgs, "running forward")
+            pool.unlink_segments()
+            self._raise_failures(replies, "forward")
+            fetch = {s: r.need for s, r in replies.items() if r.need}
+            if fetch:
+                fmsgs = {s: P.Fetch(call, self._ensure(s, "out", need).ref()) for s, need in fetch.items()}
+                fetched = pool.request(fmsgs, "returning outputs")
+                pool.unlink_segments()
+                self._raise_failures(fetched, "forward")
+                for s, r in fetched.items():
+                    replies[s].tensors = r.tensors
+        except BaseException:
+            if grad:
+                self._release.add(call)  # drop graphs kept by the shards that succeeded
+            raise
+        specs = [replies[s].tree for s in range(k)]
+        metas = [replies[s].tensors for s in range(k)]
+        groups = _gather.tensor_groups(specs)
+        outs = [self._io[s]["out"].seg for s in range(k)]
+        state = CallState(self, call, k, groups, metas, outs, splits, gin_sizes, rg,
+                          [[t.shape for t in shards[s]] for s in range(k)])
+        diff_inputs = [t for t, r in zip(tensors, rg) if r]
+        diff_params = [p for p in self.params if p.requires_grad] if grad else []
+        if grad and any(state.differentiable):
+            gathered = Bridge.apply(state, *diff_inputs, *diff_params)
+            if not isinstance(gathered, tuple):
+                gathered = (gathered,)
+            self._live[call] = weakref.ref(state.ctx)
+            for s in range(k):
+                self._regions[s][call] = spans[s]
+            state.ctx = None
+        else:
+            if grad:
+                self._release.add(call)
+            gathered = state.gather()
+        # Commit: every shard succeeded, so buffer updates may reach the master ("first" policy).
+        if self.layout.buffer_range is not None:
+            self._master_buffers.copy_(self._first_buffers)
+        return _gather.build(specs, iter(gathered))
+
+    def shard_weights(self) -> list[float] | None:
+        return None
+
+    def _modules(self) -> list[torch.nn.Module]:
+        return list(self.module.modules())
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, state: CallState, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        pool = self.pool
+        pool.check_usable()
+        release = self._collect_released()
+        if release:
+            self._release.update(release)  # piggybacked on the next forward
+        msgs: dict[int, P.Message] = {}
+        for s in range(state.k):
+            pieces = state.grad_pieces(grads, s)
+            placer = Placer()
+            offs = [placer.reserve(g) if g is not None else None for g in pieces]
+            seg = self._ensure(s, "gout", placer.offset)
+            gmetas = [Placer.write(seg.u8, o, g) if g is not None else None for o, g in zip(offs, pieces)]
+            gin = self._ensure(s, "gin", state.gin_sizes[s])
+            msgs[s] = P.Backward(state.call, pool.step, seg.ref(), gmetas, gin.ref())
+        replies = pool.request(msgs, "running backward")
+        pool.unlink_segments()
+        self._raise_failures(replies, "backward")
+        # Sum the workers' gradient slots, one dense op per dtype group.
+        mask = bytearray(len(self.params))
+        for s in range(state.k):
+            for i, b in enumerate(replies[s].param_mask):
+                mask[i] |= b
+        param_grads: list[torch.Tensor | None] = [None] * len(self.params)
+        for dtype, start, end, idxs in self.layout.param_groups:
+            if not any(mask[i] for i in idxs):
+                continue
+            views = [self.states[s].u8[start:end].view(dtype) for s in range(state.k)]
+            total = torch.add(views[0], views[1]) if len(views) > 1 else views[0].clone()
+            for v in views[2:]:
+                total.add_(v)
+            for i in idxs:
+                if mask[i]:
+                    p = self.params[i]
+                    a = (self.layout.param_offsets[i] - start) // p.element_size()
+                    param_grads[i] = total[a : a + p.numel()].view(p.shape)
+        input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
+        return input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
+
+    # ------------------------------------------------------------------ misc
+    def call_workers(self, fn: Any) -> list[Any]:
+        payload = cloudpickle.dumps(fn)
+        replies = self.pool.request({i: P.Call(payload) for i in range(self.n)}, "running a function")
+        self._raise_failures(replies, "worker_states")
+        return [cloudpickle.loads(replies[i].result) for i in range(self.n)]
+
+    def close(self) -> None:
+        """Close the pool; the master keeps its values in private memory."""
+        if self._closed:
+            return
+        self._closed = True
+        views = getattr(self, "param_views", None)
+        if views is not None:
+            with torch.no_grad():
+                for t, v in zip(self.params + self.buffers, self.param_views + self.buffer_views):
+                    if t.data_ptr() == v.data_ptr():
+                        t.data = v.clone()
+        self.pool.close()
+        self.param_views = self.buffer_views = []
+        self._io = []
+        self._live.clear()

@@ -1,0 +1,90 @@
+"""Tensor metadata for the wire: dtypes by name, supported kinds, placing tensors in segments.
+
+A tensor travels as a meta ``[dtype name, shape, byte offset, requires_grad]``;
+its bytes are copied with ``Tensor.copy_`` into a view of a shared segment.
+No dtype ever goes through numpy (numpy has no bfloat16 or float8), so every
+dtype round-trips bitwise. Non-contiguous, expanded (stride 0) and
+``channels_last`` tensors arrive with the same values, shape and dtype, in
+contiguous (row-major) layout.
+"""
+from __future__ import annotations
+
+import torch
+
+from .shm import align, tensor_view
+
+__all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer"]
+
+_CANDIDATES = [
+    "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
+    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "bool",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+]
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _CANDIDATES if isinstance(getattr(torch, n, None), torch.dtype)}
+_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise TypeError(
+            f"dpool cannot transport tensors of dtype {dtype}; supported dtypes: {', '.join(DTYPES)}"
+        ) from None
+
+
+def check_tensor(t: torch.Tensor, what: str) -> None:
+    """Raise ``TypeError`` for tensors dpool cannot move through shared memory."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{what}: dpool only transports dense (strided) tensors, got layout {t.layout}; "
+                        "call .to_dense() first")
+    if t.is_nested:
+        raise TypeError(f"{what}: nested tensors are not supported by dpool; pad them into a dense tensor")
+    if t.is_quantized:
+        raise TypeError(f"{what}: quantized tensors are not supported by dpool; dequantize() them first")
+    if t.device.type == "meta":
+        raise TypeError(f"{what}: meta tensors have no data to transport")
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(f"{what}: tensor subclass {type(t).__name__} is not supported by dpool; "
+                        "pass a plain torch.Tensor (e.g. via .as_subclass(torch.Tensor))")
+    dtype_name(t.dtype)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Placer:
+    """Lays tensors out back to back (64-byte aligned) and writes them into a segment."""
+
+    __slots__ = ("offset",)
+
+    def __init__(self, start: int = 0) -> None:
+        self.offset = start
+
+    def reserve(self, t: torch.Tensor) -> int:
+        off = self.offset
+        self.offset = align(off + nbytes(t))
+        return off
+
+    @staticmethod
+    def write(u8: torch.Tensor, offset: int, t: torch.Tensor, requires_grad: bool = False) -> list:
+        name = dtype_name(t.dtype)
+        shape = list(t.shape)
+        if t.numel():
+            tensor_view(u8, offset, t.dtype, shape).copy_(t.detach())
+        return [name, shape, offset, requires_grad]
+
+
+def read(u8: torch.Tensor, meta: list) -> torch.Tensor:
+    """A view (no copy) of the tensor ``meta`` describes."""
+    name, shape, offset, _ = meta
+    return tensor_view(u8, offset, DTYPES[name], shape)
+
+
+def meta_nbytes(meta: list) -> int:
+    name, shape, _, _ = meta
+    n = DTYPES[name].itemsize
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,123 @@
+"""Encoding nested Python structures with tensor placeholders (msgpack-friendly).
+
+A structure becomes a *spec* plus a flat list of tensors:
+
+=====================  ======================================
+value                  spec
+=====================  ======================================
+tensor                 ``["T", index]``
+None/bool/int/float/   the value itself
+str/bytes
+tuple / list           ``["U", [items]]`` / ``["L", [items]]``
+namedtuple             ``["N", pickled type, [items]]``
+dict (and subclasses)  ``["D", pickled type or None, [keys], [values]]``
+dataclass instance     ``["C", pickled type, [names], [values]]``
+anything else          ``["P", cloudpickle bytes]``
+=====================  ======================================
+
+The same spec describes every shard of a scattered input, so it is encoded
+once per call. Types are pickled by reference (or by value for ``__main__``)
+and cached.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import cloudpickle
+import torch
+
+__all__ = ["flatten", "unflatten"]
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+_TYPE_CACHE: dict[type, bytes] = {}
+_LOAD_CACHE: dict[bytes, Any] = {}
+_I64 = 2**63
+
+
+def _type_bytes(tp: type) -> bytes:
+    b = _TYPE_CACHE.get(tp)
+    if b is None:
+        b = _TYPE_CACHE[tp] = cloudpickle.dumps(tp)
+    return b
+
+
+def load_type(b: bytes) -> Any:
+    tp = _LOAD_CACHE.get(b)
+    if tp is None:
+        tp = _LOAD_CACHE[b] = cloudpickle.loads(b)
+    return tp
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields") and hasattr(obj, "_asdict")
+
+
+def _plain_dataclass(obj: Any) -> bool:
+    return (dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+            and all(f.init for f in dataclasses.fields(obj)))
+
+
+def flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """Return the spec of ``obj``; its tensors are appended to ``tensors``."""
+    tp = type(obj)
+    if tp in _SCALARS:
+        if tp is int and not -_I64 <= obj < _I64:
+            return ["P", cloudpickle.dumps(obj)]
+        return obj
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return ["T", len(tensors) - 1]
+    if tp is tuple:
+        return ["U", [flatten(x, tensors) for x in obj]]
+    if tp is list:
+        return ["L", [flatten(x, tensors) for x in obj]]
+    if _is_namedtuple(obj):
+        return ["N", _type_bytes(tp), [flatten(x, tensors) for x in obj]]
+    if isinstance(obj, dict):
+        keys = list(obj.keys())
+        return ["D", None if tp is dict else _type_bytes(tp),
+                [flatten(k, tensors) for k in keys], [flatten(obj[k], tensors) for k in keys]]
+    if _plain_dataclass(obj):
+        names = [f.name for f in dataclasses.fields(obj)]
+        return ["C", _type_bytes(tp), names, [flatten(getattr(obj, n), tensors) for n in names]]
+    return ["P", cloudpickle.dumps(obj)]
+
+
+def unflatten(spec: Any, tensor: Callable[[int], Any]) -> Any:
+    """Rebuild a structure from its spec; ``tensor(i)`` supplies the i-th tensor."""
+    if not isinstance(spec, list):
+        return spec
+    tag = spec[0]
+    if tag == "T":
+        return tensor(spec[1])
+    if tag == "U":
+        return tuple(unflatten(x, tensor) for x in spec[1])
+    if tag == "L":
+        return [unflatten(x, tensor) for x in spec[1]]
+    if tag == "N":
+        return load_type(spec[1])(*(unflatten(x, tensor) for x in spec[2]))
+    if tag == "D":
+        tp = dict if spec[1] is None else load_type(spec[1])
+        return tp((unflatten(k, tensor), unflatten(v, tensor)) for k, v in zip(spec[2], spec[3]))
+    if tag == "C":
+        return load_type(spec[1])(**{n: unflatten(v, tensor) for n, v in zip(spec[2], spec[3])})
+    if tag == "P":
+        return cloudpickle.loads(spec[1])
+    raise ValueError(f"unknown structure tag {tag!r}")
+
+
+def iter_tensor_specs(spec: Any) -> Iterator[int]:
+    if isinstance(spec, list):
+        tag = spec[0]
+        if tag == "T":
+            yield spec[1]
+        elif tag in ("U", "L"):
+            for x in spec[1]:
+                yield from iter_tensor_specs(x)
+        elif tag in ("N",):
+            for x in spec[2]:
+                yield from iter_tensor_specs(x)
+        elif tag in ("D", "C"):
+            for x in spec[3]:
+                yield from iter_tensor_specs(x)

@@ -1,0 +1,60 @@
+"""dpool's settings in one place: defaults, ``DPOOL_*`` environment overrides, units.
+
+Durations are in seconds (``*_s`` fields). A :class:`Config` is built in the
+coordinator and the part the workers need is shipped to them at start-up,
+so nothing relies on inherited globals.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Config"]
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw.rstrip("s"))
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number of seconds") from None
+
+
+@dataclass
+class Config:
+    """Tunable limits of a pool.
+
+    Args:
+        heartbeat_interval_s: how often a worker's heartbeat thread beats.
+        heartbeat_timeout_s: silence after which a worker is declared hung
+            (``DPOOL_HEARTBEAT_TIMEOUT``).
+        step_timeout_s: deadline for one forward or backward round
+            (``DPOOL_STEP_TIMEOUT``; default 600 s, as NCCL's).
+        startup_timeout_s: deadline for spawning the workers and loading the model
+            (``DPOOL_STARTUP_TIMEOUT``).
+        shutdown_timeout_s: grace period before workers are killed on ``close()``.
+        shm_dir: directory of the shared-memory segments (``DPOOL_SHM_DIR``).
+        max_message_bytes: cap on one control message, enforced by ZeroMQ
+            (``ZMQ_MAXMSGSIZE``) and by the msgpack decoder.
+    """
+
+    heartbeat_interval_s: float = field(default_factory=lambda: _env_float("DPOOL_HEARTBEAT_INTERVAL", 0.2))
+    heartbeat_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_HEARTBEAT_TIMEOUT", 10.0))
+    step_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_STEP_TIMEOUT", 600.0))
+    startup_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_STARTUP_TIMEOUT", 60.0))
+    shutdown_timeout_s: float = 2.0
+    shm_dir: str = field(default_factory=lambda: os.environ.get("DPOOL_SHM_DIR", "/dev/shm"))
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    def replace(self, **changes: Any) -> "Config":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown dpool config option(s): {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    def for_worker(self) -> dict[str, Any]:
+        return {"heartbeat_interval_s": self.heartbeat_interval_s, "max_message_bytes": self.max_message_bytes}

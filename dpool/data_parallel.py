@@ -1,0 +1,211 @@
+"""``dpool.DataParallel``: ``nn.DataParallel``'s API, with replicas in long-lived worker processes."""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import psutil
+import torch
+from torch import nn
+
+from .config import Config
+from .errors import PoolBrokenError
+
+__all__ = ["DataParallel", "wrap", "unwrap", "is_wrapped"]
+
+DeviceLike = int | str | torch.device
+
+
+def _parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
+    if device_ids is None:
+        if torch.cuda.is_available():
+            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        return ["cpu"] * cores
+    if isinstance(device_ids, (str, int, torch.device)):
+        raise TypeError("device_ids must be a list, e.g. ['cpu', 'cpu'] or [0, 1]")
+    devices = []
+    for d in device_ids:
+        if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
+            raise TypeError(f"device_ids entries must be GPU indices, torch.device or strings, got {d!r}")
+        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"dpool supports 'cpu' and CUDA devices, got {dev}")
+        devices.append("cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}")
+    if not devices:
+        raise ValueError("device_ids is empty; give at least one device, e.g. ['cpu', 'cpu']")
+    return devices
+
+
+class DataParallel(nn.Module):
+    r"""Data parallelism over long-lived worker processes, with ``nn.DataParallel``'s API.
+
+    The module is replicated once into one worker process per entry of
+    ``device_ids``. Each forward call splits the inputs along ``dim`` into even
+    shards, runs each shard on a replica, and gathers the outputs on
+    ``output_device``. ``loss.backward()`` runs the replicas' backward passes
+    and sums their parameter gradients into the master module's ``.grad``, so
+    a single optimizer on ``model.parameters()`` trains every replica.
+
+    On CPU the master's parameters live in shared memory and the replicas use
+    them directly: an optimizer step reaches every worker with no copy.
+
+    Args:
+        module (nn.Module): module to parallelize; it becomes ``self.module``
+            (the master) and must be on the CPU for CPU workers.
+        device_ids (list of int, str or torch.device, optional): one worker per
+            entry. ``"cpu"`` entries are CPU worker processes. Default: every
+            visible GPU, or one CPU worker per physical core when there is none.
+        output_device (int, str or torch.device, optional): where outputs are
+            gathered. Default: the CPU for CPU workers.
+        dim (int): dimension along which inputs are split and outputs
+            concatenated. Default: 0.
+        worker_threads (int, optional): torch threads per worker. Default:
+            physical cores divided by the number of workers (at least 1).
+        coordinator_threads (int, optional): torch threads of this process
+            while the pool is open, so that it does not compete with the
+            workers for cores; restored by :meth:`close`. ``None`` leaves the
+            setting alone. Default: 1.
+        config (Config, optional): timeouts and limits; keyword arguments
+            matching :class:`dpool.Config` fields override single values.
+
+    Example::
+
+        >>> net = torch.nn.Linear(10, 2)
+        >>> model = dpool.DataParallel(net, device_ids=["cpu", "cpu"])
+        >>> out = model(torch.randn(8, 10))      # shards of 4 rows on 2 workers
+        >>> out.sum().backward()                 # net.weight.grad is filled
+        >>> model.close()
+
+    .. note::
+        Buffers follow DataParallel: updates made by the replica of the first
+        shard (e.g. BatchNorm running statistics) are copied to the master
+        after every successful forward; the other shards' updates are dropped.
+        Python attribute changes made inside replicas stay in the workers.
+    """
+
+    _is_dpool_wrapped = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+        *,
+        worker_threads: int | None = None,
+        coordinator_threads: int | None = 1,
+        config: Config | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        torch._C._log_api_usage_once("dpool.DataParallel")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"dpool.wrap expects an nn.Module, got {type(module).__name__}")
+        devices = _parse_devices(device_ids)
+        if any(d != "cpu" for d in devices):
+            raise NotImplementedError(
+                f"device_ids {devices}: CUDA workers are not implemented yet in this dpool version; "
+                "use 'cpu' entries, or torch.nn.DataParallel / DistributedDataParallel on GPUs"
+            )
+        if output_device is not None and output_device != -1 and torch.device(output_device).type != "cpu":
+            raise ValueError(f"output_device={output_device!r}: CPU workers gather onto the CPU")
+        if not isinstance(dim, int) or dim < 0:
+            raise ValueError(f"dim must be a non-negative int, got {dim!r}")
+        self.module = module
+        self.device_ids = devices
+        self.output_device = torch.device("cpu")
+        self.dim = dim
+        cfg = (config or Config()).replace(**options) if options else (config or Config())
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        threads = worker_threads or max(1, cores // len(devices))
+        self._saved_threads = torch.get_num_threads()
+        from ._runtime import Runtime
+
+        self._runtime: Runtime | None = None
+        self._runtime = Runtime(module, devices, dim, cfg, threads)
+        if coordinator_threads is not None:
+            torch.set_num_threads(coordinator_threads)
+        else:
+            self._saved_threads = None
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        rt = self._runtime
+        if rt is None:
+            raise PoolBrokenError(
+                "this dpool model is closed; call model.module(...) or dpool.unwrap(model), or wrap it again"
+            )
+        return rt.forward(inputs, kwargs)
+
+    def worker_states(self, fn: Any) -> list[Any]:
+        """Run ``fn(replica)`` in every worker and return the results, one per worker.
+
+        Use it to read state that replicas keep in Python attributes (counters,
+        caches), which never reaches the master.
+        """
+        rt = self._runtime
+        if rt is None:
+            raise PoolBrokenError("this dpool model is closed")
+        return rt.call_workers(fn)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers, in device order."""
+        rt = self._runtime
+        return [] if rt is None else [w.pid for w in rt.pool.workers]
+
+    def close(self) -> None:
+        """Stop the workers and free shared memory. The master module stays usable. Idempotent."""
+        rt, self._runtime = self._runtime, None
+        if rt is not None:
+            rt.close()
+            if self._saved_threads is not None:
+                torch.set_num_threads(self._saved_threads)
+
+    def __enter__(self) -> "DataParallel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getstate__(self) -> Any:
+        raise TypeError(
+            "a dpool model cannot be pickled (it owns worker processes); save model.state_dict() "
+            "or model.module instead"
+        )
+
+    def extra_repr(self) -> str:
+        return f"device_ids={self.device_ids}, dim={self.dim}"
+
+
+def wrap(
+    module: nn.Module,
+    device_ids: Sequence[DeviceLike] | None = None,
+    output_device: DeviceLike | None = None,
+    dim: int = 0,
+    **kwargs: Any,
+) -> DataParallel:
+    r"""Wrap ``module`` for data-parallel training in worker processes.
+
+    The drop-in replacement for ``nn.DataParallel(module, device_ids,
+    output_device, dim)``; see :class:`DataParallel` for every argument.
+    Wrapping an already wrapped module returns it unchanged.
+
+    Returns:
+        DataParallel: an ``nn.Module`` whose ``.module`` is ``module``.
+    """
+    if is_wrapped(module):
+        return module  # type: ignore[return-value]
+    return DataParallel(module, device_ids, output_device, dim, **kwargs)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Return the master module of a dpool (or ``nn.DataParallel``) model; other modules unchanged."""
+    if is_wrapped(model) or isinstance(model, nn.DataParallel):
+        return model.module  # type: ignore[return-value]
+    return model
+
+
+def is_wrapped(model: Any) -> bool:
+    """Whether ``model`` is a :class:`DataParallel` made by dpool."""
+    return getattr(type(model), "_is_dpool_wrapped", False) is True

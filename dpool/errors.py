@@ -1,0 +1,191 @@
+"""The exceptions dpool raises.
+
+Every error says what failed, where (worker index, device, pid, step) and, where
+there is one, what the user can do about it.
+
+Hierarchy::
+
+    DpoolError
+    ├── RemoteError            a replica raised; also an instance of the remote type
+    ├── WorkerDiedError        a worker process exited or was killed
+    ├── WorkerTimeoutError     no heartbeat, or a step passed its deadline
+    ├── WorkerStartError       a worker failed to start or to load the model
+    ├── PoolBrokenError        the pool is unusable after an earlier failure
+    ├── ProtocolError          a malformed, oversized or foreign message
+    │   └── AuthError          a message failed authentication
+    └── SharedMemoryError      shared memory could not be allocated
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "DpoolError",
+    "RemoteError",
+    "WorkerDiedError",
+    "WorkerTimeoutError",
+    "WorkerStartError",
+    "PoolBrokenError",
+    "ProtocolError",
+    "AuthError",
+    "SharedMemoryError",
+    "remote_error",
+]
+
+
+class DpoolError(Exception):
+    """Base class of every error raised by dpool."""
+
+
+class _RemoteTraceback(Exception):
+    """Carries the formatted traceback of a worker; set as ``__cause__``."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return "\n\n" + "".join(self.tb) + "\n(the traceback above was raised in a dpool worker)"
+
+
+class RemoteError(DpoolError):
+    """An exception raised inside a replica (forward, backward or unpickling).
+
+    When the remote exception type can be found in the coordinator, the raised
+    object is *also* an instance of that type, so ``except ValueError`` keeps
+    working. The remote traceback is attached as ``__cause__``.
+
+    Attributes:
+        worker (int): index of the worker that raised.
+        device (str): the worker's device.
+        pid (int): the worker's process id.
+        step (int): the coordinator's step counter when it happened.
+        ename (str): qualified name of the remote exception type.
+        remote_traceback (str): the formatted remote traceback.
+    """
+
+    worker: int
+    device: str
+    pid: int
+    step: int
+    ename: str
+    remote_traceback: str
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+
+class WorkerDiedError(DpoolError):
+    """A worker process exited while the pool needed it.
+
+    Attributes:
+        worker (int), device (str), pid (int), step (int),
+        exitcode (int | None): the exit code, or ``None`` when killed by a signal,
+        signal_name (str | None): e.g. ``"SIGKILL"``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker: int = -1,
+        device: str = "",
+        pid: int = -1,
+        step: int = -1,
+        exitcode: int | None = None,
+        signal_name: str | None = None,
+        workers: list[int] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.device = device
+        self.pid = pid
+        self.step = step
+        self.exitcode = exitcode
+        self.signal_name = signal_name
+        self.workers = workers if workers is not None else [worker]
+
+
+class WorkerTimeoutError(DpoolError):
+    """A worker stopped sending heartbeats, or a step passed ``step_timeout``."""
+
+    def __init__(self, message: str, *, worker: int = -1, device: str = "", pid: int = -1, step: int = -1) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.device = device
+        self.pid = pid
+        self.step = step
+
+
+class WorkerStartError(DpoolError):
+    """A worker could not start, connect or load the model during ``wrap()``."""
+
+
+class PoolBrokenError(DpoolError):
+    """The pool was broken by an earlier failure, or closed; every call raises this."""
+
+
+class ProtocolError(DpoolError):
+    """A control message was malformed, oversized, unexpected or of another protocol version."""
+
+
+class AuthError(ProtocolError):
+    """A control message failed authentication; nothing in it was decoded."""
+
+
+class SharedMemoryError(DpoolError, OSError):
+    """Shared memory could not be allocated (too small ``/dev/shm``, no permission, ...)."""
+
+
+_REMOTE_CLASSES: dict[type, type] = {}
+
+
+def _find_type(module: str, qualname: str) -> type | None:
+    import sys
+
+    mod = sys.modules.get(module)
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    if isinstance(obj, type) and issubclass(obj, BaseException) and not issubclass(obj, DpoolError):
+        return obj
+    return None
+
+
+def remote_error(
+    module: str, qualname: str, message: str, tb: str, *, worker: int, device: str, pid: int, step: int, where: str
+) -> RemoteError:
+    """Build the coordinator-side exception for a failure reported by a worker.
+
+    The result is an instance of :class:`RemoteError` and, where the remote type
+    exists in the coordinator, of that type too (a dynamically made subclass,
+    as Ray's ``RayTaskError`` does).
+    """
+    base = _find_type(module, qualname)
+    ename = qualname if module in ("builtins", "") else f"{module}.{qualname}"
+    text = (
+        f"Caught {ename} in worker {worker} ({device}, pid {pid}) {where} at step {step}: {message}\n"
+        f"The pool is still usable; fix the model code or its input and call again."
+    )
+    cls: type = RemoteError
+    if base is not None and base is not Exception and base is not BaseException:
+        cls = _REMOTE_CLASSES.get(base)  # type: ignore[assignment]
+        if cls is None:
+            try:
+                cls = type(f"Remote{base.__name__}", (RemoteError, base), {"__module__": "dpool.errors"})
+                # __str__ of RemoteError must win over the user type's __str__.
+                cls.__str__ = RemoteError.__str__  # type: ignore[method-assign]
+            except TypeError:  # incompatible layouts (e.g. some C exception types)
+                cls = RemoteError
+            _REMOTE_CLASSES[base] = cls
+    try:
+        err = cls.__new__(cls)  # bypass user __init__ signatures
+        Exception.__init__(err, text)
+    except Exception:  # pragma: no cover - exotic exception types
+        err = RemoteError(text)
+    err.worker, err.device, err.pid, err.step = worker, device, pid, step
+    err.ename, err.remote_traceback = ename, tb
+    err.__cause__ = _RemoteTraceback(tb)
+    return err

@@ -1,0 +1,542 @@
+"""Worker processes and the request/reply rounds between them and the coordinator.
+
+::
+
+    coordinator (training script)                          worker k  (python -m workers.worker)
+    ─────────────────────────────                          ────────────────────────────────────
+    Pool.__init__
+      runtime dir 0700, key = 32 random bytes
+      ROUTER bind ipc://<dir>/<prefix>.sock
+      Popen ×N ── stdin: key, endpoint, index, device ──>  watchdog thread (pidfd of the parent)
+      pidfd_open(worker)                                   heartbeat thread → control segment
+                  <────────────── hello ────────────────   DEALER connect
+    request(init) ──────────── init ──────────────────>   unpickle model, map segments
+                  <────────────── init_done ────────────
+    request(forward/backward/...)  (one round = one message to each chosen worker, then wait)
+                  ──────────── forward ───────────────>
+                  <────────────── forward_done | failed
+
+NOTE [ dpool shutdown ]
+=======================
+*Who ends what.* The coordinator owns every worker. ``Pool.close()`` sends
+``shutdown`` to each worker, waits ``shutdown_timeout_s`` on the workers'
+pidfds, then SIGKILLs the rest and reaps them; it returns only when every
+worker has been joined. It is idempotent, registered with ``atexit`` (through
+a weakref, so an unreferenced pool is closed by the GC too) and safe to call
+from another thread: it kills the workers first, which wakes a waiting round,
+and only touches the socket when no round is running.
+
+*Why no step blocks forever.* Every wait in :meth:`Pool.request` is a
+``zmq.Poller`` poll on the socket *and* every worker's pidfd, with a timeout:
+
+1. a worker that exits (killed, segfault, ``os._exit``) makes its pidfd
+   readable: ``WorkerDiedError`` at once (process-exit sentinel);
+2. a worker whose heartbeat thread has not written its slot in the control
+   segment for ``heartbeat_timeout_s`` is hung while holding the GIL or
+   frozen: its stacks are dumped (SIGUSR1 → faulthandler), it is killed,
+   ``WorkerTimeoutError`` (a ZeroMQ heartbeat would not see this, since
+   libzmq's I/O thread keeps answering);
+3. a round that outlives ``step_timeout_s``: ``WorkerTimeoutError``.
+
+Any of these *breaks* the pool: the other workers are killed, and every later
+call raises :class:`~dpool.errors.PoolBrokenError` at once. An exception
+raised by the model inside a worker does not break the pool.
+
+*When the coordinator dies.* Each worker's watchdog thread polls the
+coordinator's pidfd; when it becomes readable the worker unlinks any segment
+name it knows of and calls ``os._exit``, within milliseconds. Workers ignore
+SIGINT, so Ctrl-C in a terminal reaches only the coordinator, which then
+closes the pool.
+
+*Shared memory.* See :mod:`dpool.shm`: names are unlinked as soon as every
+worker has mapped them, so no crash leaves a name behind, and ``wrap()``
+sweeps names whose owner pid is dead.
+
+*Sockets.* LINGER is 0 on every socket, so ``close()`` never waits on
+undelivered messages; ROUTER_MANDATORY plus SNDTIMEO turn a send to a
+vanished or stalled worker into an error instead of a silent drop.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import secrets
+import select
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Sequence
+
+import msgpack
+import torch
+import zmq
+
+from . import protocol as P
+from .config import Config
+from .errors import (
+    DpoolError,
+    PoolBrokenError,
+    ProtocolError,
+    WorkerDiedError,
+    WorkerStartError,
+    WorkerTimeoutError,
+)
+from .shm import Segment, segment_prefix
+
+__all__ = ["Pool", "runtime_dir"]
+
+_STDERR_TAIL = 40
+
+
+def runtime_dir() -> str:
+    """This user's private directory for sockets: ``$XDG_RUNTIME_DIR/dpool`` or ``/tmp/dpool-<uid>``.
+
+    Created with mode 0700. Refuses (``PermissionError``) to use a directory
+    owned by another user or open to group or others.
+    """
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = os.path.join(base, "dpool") if base and os.path.isdir(base) else f"/tmp/dpool-{os.getuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"dpool runtime directory {path} must be a directory owned by uid {os.getuid()} with mode 0700 "
+            f"(found owner {st.st_uid}, mode {oct(st.st_mode & 0o777)}); remove it or fix its permissions"
+        )
+    return path
+
+
+def _signal_name(returncode: int) -> str | None:
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return None
+
+
+class _Worker:
+    __slots__ = ("index", "device", "proc", "pidfd", "pid", "stderr_tail", "threads", "alive", "seq_in")
+
+    def __init__(self, index: int, device: str) -> None:
+        self.index = index
+        self.device = device
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
+        self.threads: list[threading.Thread] = []
+        self.alive = True
+        self.seq_in = -1
+
+    def where(self) -> str:
+        return f"worker {self.index} ({self.device}, pid {self.pid})"
+
+
+def _pump(stream: Any, label: str, tail: collections.deque | None, to_stderr: bool) -> None:
+    """Copy a worker's output to ours, line by line, labelled with the worker index."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        if tail is not None:
+            tail.append(line)
+        out = sys.stderr if to_stderr else sys.stdout
+        try:
+            out.write(f"[{label}] {line}" if line.endswith("\n") else f"[{label}] {line}\n")
+            out.flush()
+        except Exception:  # interpreter shutting down, closed capture, ...
+            pass
+    stream.close()
+
+
+class Pool:
+    """N long-lived worker processes, and the rounds of messages exchanged with them.
+
+    Args:
+        devices: one device string per worker (``"cpu"``).
+        config: limits and timeouts.
+        threads: torch intra-op threads for each worker.
+    """
+
+    def __init__(self, devices: Sequence[str], config: Config, threads: int) -> None:
+        self.devices = list(devices)
+        self.config = config
+        self.threads = threads
+        self.prefix = segment_prefix()
+        self.step = 0
+        self._broken: str | None = None
+        self._closed = False
+        self._lock = threading.RLock()
+        self._in_round = False
+        self._segments: list[Segment] = []
+        self._key = secrets.token_bytes(32)
+        self.codec = P.Codec(self._key, config.max_message_bytes)
+        self._seq_out = 0
+        self._pending = [0] * len(self.devices)
+        self.workers = [_Worker(i, d) for i, d in enumerate(self.devices)]
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.SNDTIMEO, 5000)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + 1024)
+        self.sock_path = os.path.join(runtime_dir(), self.prefix + ".sock")
+        self.endpoint = "ipc://" + self.sock_path
+        self._poller = zmq.Poller()
+        # Runs at GC of an unreferenced pool and at interpreter exit; holds no reference to self.
+        self._finalizer = weakref.finalize(self, _reap, self.workers, self._segments)
+        try:
+            self._sock.bind(self.endpoint)
+            os.chmod(self.sock_path, 0o600)
+            self._poller.register(self._sock, zmq.POLLIN)
+            # Heartbeat slots: one int64 (CLOCK_MONOTONIC ns) per worker.
+            self.control = self.new_segment(8 * max(1, len(self.devices)), min_size=4096)
+            self._beats = self.control.u8[: 8 * len(self.devices)].view(torch.int64)
+            self._beats.fill_(time.monotonic_ns())
+            for w in self.workers:
+                self._spawn(w)
+            self._await_hello()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ start
+    def new_segment(self, size: int, min_size: int = 1 << 20) -> Segment:
+        """Create a segment of at least ``size`` bytes, tracked for unlinking on close."""
+        size = max(size, min_size)
+        size = 1 << (size - 1).bit_length()  # grow in powers of two
+        seg = Segment(self.config.shm_dir, f"{self.prefix}-{len(self._segments)}", size)
+        self._segments.append(seg)
+        return seg
+
+    def unlink_segments(self) -> None:
+        """Unlink every segment name; called once every worker has mapped them."""
+        for seg in self._segments:
+            seg.unlink()
+        self._segments[:] = [s for s in self._segments if s.linked]
+
+    def _spawn(self, w: _Worker) -> None:
+        import workers as _workers_pkg
+
+        env = dict(os.environ)
+        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(_workers_pkg.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(self.threads)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        w.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
+        w.pid = w.proc.pid
+        w.pidfd = os.pidfd_open(w.pid)
+        self._poller.register(w.pidfd, zmq.POLLIN)
+        label = f"dpool worker {w.index}"
+        for stream, tail, err in ((w.proc.stdout, None, False), (w.proc.stderr, w.stderr_tail, True)):
+            t = threading.Thread(target=_pump, args=(stream, label, tail, err), name=f"{label} output", daemon=True)
+            t.start()
+            w.threads.append(t)
+        boot = {
+            "key": self._key,
+            "endpoint": self.endpoint,
+            "index": w.index,
+            "device": w.device,
+            "ppid": os.getpid(),
+            "threads": self.threads,
+            "shm_dir": self.config.shm_dir,
+            "control": self.control.ref(),
+            "config": self.config.for_worker(),
+        }
+        assert w.proc.stdin is not None
+        try:
+            w.proc.stdin.write(msgpack.packb(boot, use_bin_type=True))
+            w.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at start: reported by _await_hello with its stderr
+
+    def _await_hello(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        waiting = {w.index for w in self.workers}
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                idx = min(waiting)
+                raise WorkerStartError(
+                    f"{self.workers[idx].where()} did not connect within startup_timeout="
+                    f"{self.config.startup_timeout_s:g}s; raise DPOOL_STARTUP_TIMEOUT on a slow machine"
+                )
+            events = dict(self._poller.poll(int(min(remaining, 0.5) * 1000) + 1))
+            self._check_exits(events, stage="starting")
+            if self._sock in events:
+                for idx, msg in self._drain():
+                    if not isinstance(msg, P.Hello):
+                        raise WorkerStartError(f"{self.workers[idx].where()} sent {msg.op!r} instead of hello")
+                    if msg.protocol != P.PROTOCOL_VERSION:
+                        raise ProtocolError(
+                            f"worker {idx} speaks dpool protocol {msg.protocol}, coordinator {P.PROTOCOL_VERSION}"
+                        )
+                    waiting.discard(idx)
+
+    # ------------------------------------------------------------------ rounds
+    @property
+    def usable(self) -> bool:
+        return self._broken is None and not self._closed
+
+    def check_usable(self) -> None:
+        if self._closed and self._broken is None:
+            raise PoolBrokenError(
+                "this dpool pool is closed; wrap the module again, or use dpool.unwrap(model) to run it directly"
+            )
+        if self._broken is not None:
+            raise PoolBrokenError(
+                f"this dpool pool is broken by an earlier failure ({self._broken}); its workers are gone. "
+                "The master module is intact: dpool.unwrap(model) returns it, and dpool.wrap() it again "
+                "for a new pool."
+            )
+
+    def request(self, msgs: dict[int, P.Message], stage: str, timeout: float | None = None) -> dict[int, P.Message]:
+        """Send one message to each chosen worker and wait for all replies.
+
+        Returns:
+            worker index → reply (``Failed`` replies included; the caller raises).
+
+        Raises:
+            WorkerDiedError, WorkerTimeoutError: the pool is broken first.
+            PoolBrokenError: the pool was already broken or closed.
+        """
+        self.check_usable()
+        with self._lock:
+            self._in_round = True
+            try:
+                for idx, msg in msgs.items():
+                    self._send(idx, msg)
+                return self._wait(set(msgs), stage, timeout if timeout is not None else self.config.step_timeout_s)
+            except DpoolError as exc:
+                if isinstance(exc, (WorkerDiedError, WorkerTimeoutError, ProtocolError)):
+                    self._break(str(exc))
+                raise
+            except BaseException:
+                # KeyboardInterrupt and friends: replies still owed are discarded later
+                # (see _pending), so the pool stays usable.
+                raise
+            finally:
+                self._in_round = False
+                if self._closed:
+                    self._close_sockets()
+
+    def _send(self, idx: int, msg: P.Message) -> None:
+        w = self.workers[idx]
+        self._seq_out += 1
+        frames = self.codec.encode(msg, self._seq_out)
+        try:
+            self._sock.send_multipart([b"w%d" % idx] + frames, copy=False)
+        except zmq.ZMQError as exc:
+            self._raise_dead(w, f"sending {msg.op}", detail=f" (send failed: {exc})")
+        self._pending[idx] += 1
+
+    def _drain(self) -> list[tuple[int, P.Message]]:
+        out = []
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return out
+            ident, body = frames[0], frames[1:]
+            idx = int(ident[1:]) if ident[:1] == b"w" and ident[1:].isdigit() else -1
+            if not 0 <= idx < len(self.workers):
+                raise ProtocolError(f"message from unknown peer {ident!r}")
+            seq, msg = self.codec.decode(body)
+            w = self.workers[idx]
+            if seq <= w.seq_in:
+                raise ProtocolError(f"replayed or reordered message from {w.where()} (seq {seq} ≤ {w.seq_in})")
+            w.seq_in = seq
+            out.append((idx, msg))
+
+    def _wait(self, need: set[int], stage: str, timeout: float) -> dict[int, P.Message]:
+        replies: dict[int, P.Message] = {}
+        start = time.monotonic()
+        deadline = start + timeout
+        hb_timeout_ns = int(self.config.heartbeat_timeout_s * 1e9)
+        tick = max(0.01, min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s / 4))
+        while need:
+            now = time.monotonic()
+            if now >= deadline:
+                idx = min(need)
+                w = self.workers[idx]
+                self._dump_and_kill(w)
+                raise WorkerTimeoutError(
+                    f"step {self.step} exceeded step_timeout={timeout:g}s on {w.where()} while {stage}; "
+                    "the worker's stacks were dumped to stderr above and it was killed. "
+                    "Raise DPOOL_STEP_TIMEOUT if steps are legitimately this slow.",
+                    worker=idx, device=w.device, pid=w.pid, step=self.step,
+                )
+            events = dict(self._poller.poll(int(min(deadline - now, tick) * 1000) + 1))
+            if self._sock in events:
+                for idx, msg in self._drain():
+                    self._pending[idx] -= 1
+                    if self._pending[idx] == 0 and idx in need:
+                        replies[idx] = msg
+                        need.discard(idx)
+            self._check_exits(events, stage=stage)
+            if need:
+                now_ns = time.monotonic_ns()
+                for idx in need:
+                    silent = now_ns - int(self._beats[idx])
+                    if silent > hb_timeout_ns:
+                        w = self.workers[idx]
+                        self._dump_and_kill(w)
+                        raise WorkerTimeoutError(
+                            f"{w.where()} unresponsive while {stage} at step {self.step}: no heartbeat for "
+                            f"{silent / 1e9:.1f}s (heartbeat_timeout={self.config.heartbeat_timeout_s:g}s). It is "
+                            "stuck holding the GIL or frozen; its stacks were dumped to stderr above and it was "
+                            "killed.",
+                            worker=idx, device=w.device, pid=w.pid, step=self.step,
+                        )
+        return replies
+
+    def _check_exits(self, events: dict, stage: str) -> None:
+        dead = [w for w in self.workers if w.alive and events.get(w.pidfd)]
+        if not dead:
+            return
+        time.sleep(0.05)  # let simultaneous deaths land, so one error names them all
+        readable, _, _ = select.select([w.pidfd for w in self.workers if w.alive], [], [], 0)
+        dead = [w for w in self.workers if w.alive and w.pidfd in readable]
+        for w in dead:
+            w.alive = False
+            w.proc.wait()
+        self._raise_dead(dead[0], stage, others=dead[1:])
+
+    def _raise_dead(self, w: _Worker, stage: str, others: Sequence[_Worker] = (), detail: str = "") -> None:
+        if w.proc.poll() is None:
+            try:
+                w.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        rc = w.proc.returncode
+        sig = _signal_name(rc) if rc is not None else None
+        how = f"was killed by {sig}" if sig else f"exited with code {rc}"
+        hint = ""
+        if sig == "SIGKILL":
+            hint = " A SIGKILL nobody sent on purpose is usually the out-of-memory killer: check dmesg and memory limits."
+        elif sig in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGABRT"):
+            hint = " The worker crashed in native code; its faulthandler traceback (stderr) follows."
+        elif rc == 0:
+            hint = " The model code (or a library) exited the process, e.g. sys.exit() in forward."
+        if stage == "starting":
+            for t in w.threads:
+                t.join(timeout=1.0)
+        tail = "".join(w.stderr_tail).rstrip()
+        text = f"{w.where()} {how} while {stage} at step {self.step}{detail}.{hint}"
+        if others:
+            text += " Also dead: " + ", ".join(f"{o.where()} ({_signal_name(o.proc.returncode) or 'exit ' + str(o.proc.returncode)})" for o in others) + "."
+        text += " The pool is broken; the master module is unchanged (dpool.unwrap(model) returns it)."
+        if tail:
+            text += "\n--- last stderr of worker %d ---\n%s" % (w.index, tail[-4000:])
+        cls = WorkerStartError if stage == "starting" else WorkerDiedError
+        if cls is WorkerStartError:
+            raise WorkerStartError(text)
+        raise WorkerDiedError(
+            text, worker=w.index, device=w.device, pid=w.pid, step=self.step, exitcode=rc if rc is not None and rc >= 0 else None,
+            signal_name=sig, workers=[w.index] + [o.index for o in others],
+        )
+
+    def _dump_and_kill(self, w: _Worker) -> None:
+        try:
+            os.kill(w.pid, signal.SIGCONT)
+            os.kill(w.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
+            try:
+                w.proc.wait(timeout=0.3)
+            except subprocess.TimeoutExpired:
+                pass
+            w.proc.kill()
+        except ProcessLookupError:
+            pass
+
+    def _break(self, reason: str) -> None:
+        if self._broken is None:
+            self._broken = reason.split("\n", 1)[0]
+        self._terminate_workers(grace=0.0)
+
+    # ------------------------------------------------------------------ close
+    def _terminate_workers(self, grace: float) -> None:
+        if grace > 0:
+            for w in self.workers:
+                if w.alive and getattr(w, "proc", None) is not None and w.proc.poll() is None and not self._in_round:
+                    try:
+                        self._sock.send_multipart([b"w%d" % w.index] + self.codec.encode(P.Shutdown(), self._seq_out + 1), zmq.NOBLOCK)
+                        self._seq_out += 1
+                    except zmq.ZMQError:
+                        pass
+            deadline = time.monotonic() + grace
+            for w in self.workers:
+                if getattr(w, "proc", None) is None:
+                    continue
+                try:
+                    w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for w in self.workers:
+            proc = getattr(w, "proc", None)
+            if proc is None:
+                continue
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                proc.kill()
+            proc.wait()
+            w.alive = False
+
+    def close(self) -> None:
+        """End the workers and free every resource. Idempotent; returns when all workers are joined."""
+        if self._closed:
+            return
+        self._closed = True
+        self._terminate_workers(grace=0.0 if self._in_round else self.config.shutdown_timeout_s)
+        for w in self.workers:
+            for t in w.threads:
+                t.join(timeout=2.0)
+            fd = getattr(w, "pidfd", None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                w.pidfd = None
+        for seg in self._segments:
+            seg.unlink()
+        self._segments.clear()
+        if not self._in_round:
+            self._close_sockets()
+        self._finalizer.detach()
+
+    def _close_sockets(self) -> None:
+        if not self._sock.closed:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            try:
+                os.unlink(self.sock_path)
+            except FileNotFoundError:
+                pass
+
+    @property
+    def broken(self) -> str | None:
+        return self._broken
+
+
+def _reap(workers: list[_Worker], segments: list[Segment]) -> None:  # pragma: no cover - GC / exit path
+    for w in workers:
+        proc = getattr(w, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for seg in segments:
+        seg.unlink()

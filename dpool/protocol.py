@@ -1,0 +1,334 @@
+"""The wire protocol between the coordinator and its workers, in one place.
+
+A control message is two ZeroMQ frames::
+
+    [ mac (32 bytes, HMAC-SHA256 of payload) | payload (msgpack) ]
+
+The payload is a msgpack array ``[version, op, seq, body]`` where ``body`` is
+the list of the message's fields in declaration order. Tensor bytes never
+travel here: messages only say *where* in shared memory a tensor lies
+(``TensorMeta``).
+
+Receiving is ordered so that nothing from an unauthenticated peer is decoded:
+
+1. frame count and size are checked (ZeroMQ's ``MAXMSGSIZE`` also caps them);
+2. the MAC is checked with :func:`hmac.compare_digest`;
+3. only then is msgpack run, with size limits and ``strict_map_key``;
+4. the body is validated against the message class's field types;
+5. ``seq`` must grow strictly (replay protection), checked by the caller.
+
+Every failure in steps 1-4 is a :class:`~dpool.errors.ProtocolError`
+(:class:`~dpool.errors.AuthError` for step 2); no other exception escapes
+:meth:`Codec.decode`.
+
+Ops follow one naming scheme: a request is a verb (``forward``), its reply is
+the verb with ``_done`` (``forward_done``); any request may instead be answered
+with ``failed``.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from .errors import AuthError, ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Codec",
+    "Message",
+    "MESSAGES",
+    "Hello",
+    "Init",
+    "InitDone",
+    "Forward",
+    "ForwardDone",
+    "Fetch",
+    "Backward",
+    "BackwardDone",
+    "Release",
+    "ReleaseDone",
+    "Call",
+    "CallDone",
+    "Shutdown",
+    "Failed",
+]
+
+PROTOCOL_VERSION = 1
+MAC_SIZE = 32
+
+# A shared-memory reference: [segment name, size in bytes].
+SegRef = list
+# A tensor's place in a segment: [dtype name, shape, byte offset, requires_grad].
+TensorMeta = list
+
+
+class Message:
+    """Base of all typed messages. Subclasses are slotted dataclasses."""
+
+    op: ClassVar[str]
+    # name -> allowed python types, used to validate a decoded body.
+    _types: ClassVar[dict[str, tuple[type, ...]]]
+
+    def body(self) -> list[Any]:
+        return [getattr(self, f.name) for f in fields(self)]  # type: ignore[arg-type]
+
+
+_NONE = type(None)
+_STR = (str,)
+_INT = (int,)
+_BOOL = (bool,)
+_BYTES = (bytes,)
+_LIST = (list,)
+
+
+def _message(op: str, **types: tuple[type, ...]):  # type: ignore[no-untyped-def]
+    def deco(cls: type) -> type:
+        cls = dataclass(slots=True)(cls)
+        cls.op = op  # type: ignore[attr-defined]
+        cls._types = types  # type: ignore[attr-defined]
+        assert [f.name for f in fields(cls)] == list(types), cls
+        return cls
+
+    return deco
+
+
+@_message("hello", worker=_INT, pid=_INT, protocol=_INT, torch=_STR, python=_STR)
+class Hello(Message):
+    """Worker → coordinator, first message after connecting."""
+
+    worker: int
+    pid: int
+    protocol: int
+    torch: str
+    python: str
+
+
+@_message(
+    "init",
+    model=_BYTES,
+    sys_path=_LIST,
+    params=_LIST,
+    state=_LIST,
+    param_layout=_LIST,
+    buffer_layout=_LIST,
+    threads=_INT,
+)
+class Init(Message):
+    """Coordinator → worker: the pickled model (without tensor data) and the shared layouts."""
+
+    model: bytes
+    sys_path: list
+    params: SegRef
+    state: SegRef
+    param_layout: list
+    buffer_layout: list
+    threads: int
+
+
+@_message("init_done", n_params=_INT, n_buffers=_INT)
+class InitDone(Message):
+    n_params: int
+    n_buffers: int
+
+
+@_message(
+    "forward",
+    call=_INT,
+    step=_INT,
+    grad=_BOOL,
+    training=_BYTES,
+    requires_grad=_BYTES,
+    sync_buffers=_BOOL,
+    inputs=_LIST,
+    outputs=_LIST,
+    tree=(object,),
+    tensors=_LIST,
+    shard=_INT,
+    autocast=(list, _NONE),
+    release=_LIST,
+)
+class Forward(Message):
+    """Run the replica on one shard.
+
+    ``tree`` encodes ``(args, kwargs)`` (see :mod:`dpool._tree`); ``tensors`` are
+    the metas of its tensors in the ``inputs`` segment. ``release`` lists calls
+    whose autograd graphs the coordinator no longer needs.
+    """
+
+    call: int
+    step: int
+    grad: bool
+    training: bytes
+    requires_grad: bytes
+    sync_buffers: bool
+    inputs: SegRef
+    outputs: SegRef
+    tree: Any
+    tensors: list
+    shard: int
+    autocast: list | None
+    release: list
+
+
+@_message("forward_done", call=_INT, tree=(object,), tensors=_LIST, need=_INT)
+class ForwardDone(Message):
+    """The replica's output structure; ``need > 0`` means the outputs segment was too small."""
+
+    call: int
+    tree: Any
+    tensors: list
+    need: int
+
+
+@_message("fetch", call=_INT, outputs=_LIST)
+class Fetch(Message):
+    """Write the kept outputs of ``call`` into a (larger) outputs segment."""
+
+    call: int
+    outputs: SegRef
+
+
+@_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_LIST, input_grads=_LIST)
+class Backward(Message):
+    """Backpropagate ``grad_tensors`` (metas in ``grads``, ``None`` for no gradient) through ``call``."""
+
+    call: int
+    step: int
+    grads: SegRef
+    grad_tensors: list
+    input_grads: SegRef
+
+
+@_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_LIST)
+class BackwardDone(Message):
+    """Parameter gradients are in the worker's gradient slot; ``param_mask`` says which exist."""
+
+    call: int
+    param_mask: bytes
+    input_grads: list
+
+
+@_message("release", calls=_LIST)
+class Release(Message):
+    calls: list
+
+
+@_message("release_done", live=_INT)
+class ReleaseDone(Message):
+    live: int
+
+
+@_message("call", fn=_BYTES)
+class Call(Message):
+    """Run a pickled ``fn(replica)`` on the worker and return its pickled result."""
+
+    fn: bytes
+
+
+@_message("call_done", result=_BYTES)
+class CallDone(Message):
+    result: bytes
+
+
+@_message("shutdown")
+class Shutdown(Message):
+    pass
+
+
+@_message(
+    "failed",
+    stage=_STR,
+    module=_STR,
+    qualname=_STR,
+    message=_STR,
+    traceback=_STR,
+)
+class Failed(Message):
+    """Any request may be answered with this: the remote exception as strings."""
+
+    stage: str
+    module: str
+    qualname: str
+    message: str
+    traceback: str
+
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.op: cls  # type: ignore[misc]
+    for cls in (
+        Hello, Init, InitDone, Forward, ForwardDone, Fetch, Backward, BackwardDone,
+        Release, ReleaseDone, Call, CallDone, Shutdown, Failed,
+    )
+}
+
+
+class Codec:
+    """Encodes and authenticates messages with a shared secret key.
+
+    Args:
+        key: the pool's secret (32 random bytes), known only to the coordinator
+            and its workers.
+        max_bytes: largest payload accepted.
+    """
+
+    def __init__(self, key: bytes, max_bytes: int = 64 * 1024 * 1024) -> None:
+        if len(key) < 16:
+            raise ValueError("dpool auth key must be at least 16 bytes")
+        self._key = key
+        self.max_bytes = max_bytes
+
+    def _mac(self, payload: bytes) -> bytes:
+        return hmac.new(self._key, payload, hashlib.sha256).digest()
+
+    def encode(self, msg: Message, seq: int) -> list[bytes]:
+        payload = msgpack.packb([PROTOCOL_VERSION, msg.op, seq, msg.body()], use_bin_type=True)
+        return [self._mac(payload), payload]
+
+    def decode(self, frames: list[bytes]) -> tuple[int, Message]:
+        """Authenticate, then decode. Raises :class:`ProtocolError` / :class:`AuthError`."""
+        if len(frames) != 2:
+            raise ProtocolError(f"expected 2 frames (mac, payload), got {len(frames)}")
+        mac, payload = frames
+        if len(payload) > self.max_bytes:
+            raise ProtocolError(f"message of {len(payload)} bytes exceeds the limit of {self.max_bytes}")
+        if len(mac) != MAC_SIZE or not hmac.compare_digest(self._mac(payload), mac):
+            raise AuthError("message failed authentication (wrong or missing key); it was not decoded")
+        try:
+            obj = msgpack.unpackb(
+                payload,
+                raw=False,
+                strict_map_key=True,
+                use_list=True,
+            )
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"undecodable message: {type(exc).__name__}: {exc}") from None
+        return self._validate(obj)
+
+    @staticmethod
+    def _validate(obj: Any) -> tuple[int, Message]:
+        if not isinstance(obj, list) or len(obj) != 4:
+            raise ProtocolError("message is not a [version, op, seq, body] array")
+        version, op, seq, body = obj
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"dpool protocol {version!r} peer cannot talk to protocol {PROTOCOL_VERSION}; "
+                "coordinator and workers run different dpool versions"
+            )
+        cls = MESSAGES.get(op) if isinstance(op, str) else None
+        if cls is None:
+            raise ProtocolError(f"unknown op {op!r}")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise ProtocolError(f"bad sequence number {seq!r}")
+        types = cls._types
+        if not isinstance(body, list) or len(body) != len(types):
+            raise ProtocolError(f"{op}: expected {len(types)} fields")
+        for (name, allowed), value in zip(types.items(), body):
+            if allowed == (object,):
+                continue
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                raise ProtocolError(f"{op}.{name}: unexpected {type(value).__name__}")
+        return seq, cls(*body)

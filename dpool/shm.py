@@ -1,0 +1,182 @@
+"""Shared-memory segments: creation, size checks, naming, mapping and sweeping.
+
+Segments are plain files in ``/dev/shm`` (or ``DPOOL_SHM_DIR``) named
+``dpool-<uid>-<owner pid>-<token>-<n>``, created ``0600`` by the coordinator.
+
+Ownership rule (see ``NOTE [ dpool shutdown ]`` in :mod:`dpool.pool`): the
+coordinator creates a segment and *unlinks its name as soon as every worker
+that needs it has mapped it*. From then on the memory lives exactly as long as
+some process maps it, so a crash of any process, even ``SIGKILL`` of the whole
+process group, leaves no name behind. The only window for a leftover name is
+between creation and the next reply; :func:`sweep` removes names whose owner
+pid is dead, and runs at every ``wrap()``.
+
+Space is reserved with ``posix_fallocate`` before anything is mapped, so a
+too-small ``/dev/shm`` gives a :class:`~dpool.errors.SharedMemoryError` up
+front, never a ``SIGBUS`` later.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import secrets
+
+import torch
+
+from .errors import SharedMemoryError
+
+__all__ = ["Segment", "attach", "sweep", "segment_prefix", "ALIGN", "align", "tensor_view"]
+
+ALIGN = 64
+_NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+-\d+$")
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def segment_prefix() -> str:
+    """A fresh per-pool name prefix: ``dpool-<uid>-<pid>-<token>``."""
+    return f"dpool-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def tensor_view(u8: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dtype``/``shape`` over bytes ``[offset, offset + nbytes)`` of ``u8``."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * dtype.itemsize
+    return u8[offset : offset + nbytes].view(dtype).view(shape)
+
+
+class Segment:
+    """A coordinator-owned shared-memory segment, mapped read-write.
+
+    Args:
+        directory: where the segment file lives (``/dev/shm``).
+        name: its file name.
+        size: its size in bytes (> 0).
+    """
+
+    def __init__(self, directory: str, name: str, size: int) -> None:
+        self.directory = directory
+        self.name = name
+        self.size = size
+        self.path = os.path.join(directory, name)
+        self._linked = False
+        free = _free_bytes(directory)
+        if size > free:
+            raise SharedMemoryError(
+                f"dpool needs {_mib(size)} of shared memory in {directory}, but only {_mib(free)} is free. "
+                f"Free some space, enlarge it (docker: --shm-size or --ipc=host), or point DPOOL_SHM_DIR "
+                f"at a larger tmpfs."
+            )
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise SharedMemoryError(f"cannot create shared-memory segment {self.path}: {exc}") from None
+        self._linked = True
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                    raise SharedMemoryError(
+                        f"dpool needs {_mib(size)} of shared memory in {directory}, but the allocation failed "
+                        f"({exc.strerror}; {_mib(_free_bytes(directory))} free). Enlarge {directory} "
+                        f"(docker: --shm-size) or set DPOOL_SHM_DIR."
+                    ) from None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)
+            self.mmap = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            self.unlink()
+            raise
+        os.close(fd)
+        self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
+
+    def ref(self) -> list:
+        """The ``[name, size]`` reference sent in messages."""
+        return [self.name, self.size]
+
+    def unlink(self) -> None:
+        """Remove the name (idempotent). Mappings stay valid."""
+        if self._linked:
+            self._linked = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    @property
+    def linked(self) -> bool:
+        return self._linked
+
+
+class Mapped:
+    """A worker-side mapping of a segment created by the coordinator."""
+
+    __slots__ = ("name", "size", "mmap", "u8")
+
+    def __init__(self, directory: str, name: str, size: int) -> None:
+        if not _NAME.match(name) or not str(os.getuid()) == name.split("-")[1]:
+            raise SharedMemoryError(f"refusing to map {name!r}: not a dpool segment of this user")
+        fd = os.open(os.path.join(directory, name), os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < size:
+                raise SharedMemoryError(f"segment {name} is smaller than announced ({size} bytes)")
+            self.mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.size = size
+        self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
+
+
+def attach(directory: str, ref: list, current: Mapped | None = None) -> Mapped:
+    """Map the segment ``ref = [name, size]``, reusing ``current`` if it is the same one."""
+    name, size = ref
+    if current is not None and current.name == name:
+        return current
+    return Mapped(directory, name, size)
+
+
+def sweep(directory: str = "/dev/shm") -> list[str]:
+    """Unlink this user's dpool segments whose owner process is gone.
+
+    Returns:
+        The names removed.
+    """
+    import psutil
+
+    removed = []
+    uid = str(os.getuid())
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _NAME.match(name)
+        if not m or m.group(1) != uid:
+            continue
+        if psutil.pid_exists(int(m.group(2))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed

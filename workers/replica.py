@@ -1,0 +1,264 @@
+"""The replica a worker holds for the life of the pool, and the requests it serves.
+
+State kept across steps:
+
+* ``model``: unpickled once at ``init``. Its parameters are views of the
+  coordinator's shared parameter segment, so optimizer steps on the master are
+  visible here with no copy. Its buffers are private views in this worker's
+  state segment; before each forward they are refreshed from the master's
+  buffers (one memcpy), as DataParallel's per-step replication would.
+* ``calls``: the autograd graphs of forwards the coordinator may still
+  backpropagate through, by call id, until it sends ``release``.
+* mapped segments by role (``in``, ``out``, ``gout``, ``gin``): remapped only
+  when the coordinator announces a new (grown) segment.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+
+from dpool import _tree
+from dpool import protocol as P
+from dpool._tensors import DTYPES, Placer, check_tensor, meta_nbytes, read
+from dpool.shm import Mapped, attach, tensor_view
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, load: Callable[[Any], Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._load = load
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._load(pid)
+
+
+class _Call:
+    __slots__ = ("outputs", "leaves")
+
+    def __init__(self, outputs: list[torch.Tensor], leaves: list[torch.Tensor | None]) -> None:
+        self.outputs = outputs
+        self.leaves = leaves
+
+
+class Replica:
+    """Serves one worker's requests (see :mod:`dpool.protocol`)."""
+
+    def __init__(self, index: int, device: str, shm_dir: str) -> None:
+        self.index = index
+        self.device = device
+        self.shm_dir = shm_dir
+        self.stage = "starting"
+        self.model: torch.nn.Module | None = None
+        self.known: set[str] = set()
+        self.segs: dict[str, Mapped] = {}
+        self.calls: dict[int, _Call] = {}
+        self.unfetched: dict[int, tuple[list[torch.Tensor], bool]] = {}
+        self._training = b""
+        self._requires_grad = b""
+        self._handlers = {
+            "init": self.init,
+            "forward": self.forward,
+            "fetch": self.fetch,
+            "backward": self.backward,
+            "release": self.release,
+            "call": self.call,
+        }
+
+    # ---------------------------------------------------------------- plumbing
+    def remember(self, name: str) -> None:
+        self.known.add(name)
+
+    def unlink_known(self) -> None:
+        for name in self.known:
+            try:
+                os.unlink(os.path.join(self.shm_dir, name))
+            except OSError:
+                pass
+
+    def _seg(self, role: str, ref: list) -> Mapped:
+        cur = self.segs.get(role)
+        seg = attach(self.shm_dir, ref, cur)
+        if seg is not cur:
+            self.known.add(seg.name)
+            self.segs[role] = seg
+        return seg
+
+    def handle(self, msg: P.Message) -> P.Message:
+        handler = self._handlers.get(msg.op)
+        if handler is None:
+            raise P.ProtocolError(f"worker {self.index} does not serve {msg.op!r} requests")
+        if msg.op != "init" and self.model is None:
+            raise P.ProtocolError(f"worker {self.index} got {msg.op!r} before init")
+        return handler(msg)
+
+    # ---------------------------------------------------------------- init
+    def init(self, msg: P.Init) -> P.Message:
+        self.stage = "unpickling the model"
+        for p in msg.sys_path:
+            if isinstance(p, str) and p not in sys.path:
+                sys.path.append(p)
+        master = self._seg("params", msg.params)
+        state = self._seg("state", msg.state)
+        self.param_views = [tensor_view(master.u8, off, DTYPES[dt], shape) for dt, shape, off, _ in msg.param_layout]
+        self.grad_views = [tensor_view(state.u8, off, DTYPES[dt], shape) for dt, shape, off, _ in msg.param_layout]
+        self.buffer_views = [tensor_view(state.u8, off, DTYPES[dt], shape) for dt, shape, off in msg.buffer_layout]
+        if msg.buffer_layout:
+            start = min(off for _, _, off in msg.buffer_layout)
+            end = max(off + meta_nbytes([dt, shape, off, False]) for dt, shape, off in msg.buffer_layout)
+            self._buf_src = master.u8[start:end]
+            self._buf_dst = state.u8[start:end]
+            self._buf_dst.copy_(self._buf_src)
+        else:
+            self._buf_src = self._buf_dst = None
+        params: dict[int, torch.nn.Parameter] = {}
+
+        def load(pid: Any) -> Any:
+            kind, i = pid[0], pid[1]
+            if kind == "p":
+                if i not in params:
+                    params[i] = torch.nn.Parameter(self.param_views[i], requires_grad=bool(pid[2]))
+                return params[i]
+            if kind == "b":
+                return self.buffer_views[i]
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+        model = _Unpickler(msg.model, load).load()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+        missing = [i for i in range(len(self.param_views)) if i not in params]
+        if missing:
+            raise RuntimeError(f"parameters {missing} of the layout did not appear in the pickled model")
+        self.params = [params[i] for i in range(len(self.param_views))]
+        self.modules = list(model.modules())
+        self.model = model
+        self.stage = "idle"
+        return P.InitDone(len(self.params), len(self.buffer_views))
+
+    # ---------------------------------------------------------------- forward
+    def _apply_flags(self, training: bytes, requires_grad: bytes) -> None:
+        if training != self._training:
+            for m, flag in zip(self.modules, training):
+                m.training = bool(flag)
+            self._training = training
+        if requires_grad != self._requires_grad:
+            for p, flag in zip(self.params, requires_grad):
+                p.requires_grad_(bool(flag))
+            self._requires_grad = requires_grad
+
+    def forward(self, msg: P.Forward) -> P.Message:
+        for c in msg.release:
+            self.calls.pop(c, None)
+            self.unfetched.pop(c, None)
+        self.stage = f"running forward on shard {msg.shard}"
+        inp = self._seg("in", msg.inputs)
+        self._seg("out", msg.outputs)
+        self._apply_flags(msg.training, msg.requires_grad)
+        if msg.sync_buffers and self._buf_dst is not None:
+            self._buf_dst.copy_(self._buf_src)
+        tensors: list[torch.Tensor] = []
+        leaves: list[torch.Tensor | None] = []
+        for meta in msg.tensors:
+            t = read(inp.u8, meta)
+            if msg.grad and meta[3]:
+                t = t.detach().requires_grad_(True)
+                leaves.append(t)
+            else:
+                leaves.append(None)
+            tensors.append(t)
+        args, kwargs = _tree.unflatten(msg.tree, tensors.__getitem__)
+        assert self.model is not None
+        with torch.set_grad_enabled(msg.grad):
+            if msg.autocast:
+                device_type, dtype, cache = msg.autocast
+                with torch.autocast(device_type, dtype=DTYPES[dtype], cache_enabled=cache):
+                    out = self.model(*args, **kwargs)
+            else:
+                out = self.model(*args, **kwargs)
+        self.stage = f"returning outputs of shard {msg.shard}"
+        outs: list[torch.Tensor] = []
+        spec = _tree.flatten(out, outs)
+        for i, t in enumerate(outs):
+            check_tensor(t, f"output tensor {i}")
+        differentiable = msg.grad and any(t.requires_grad for t in outs)
+        if differentiable:
+            self.calls[msg.call] = _Call(outs, leaves)
+        placer = Placer()
+        offsets = [placer.reserve(t) for t in outs]
+        if placer.offset > msg.outputs[1]:
+            self.unfetched[msg.call] = (outs, msg.grad)
+            return P.ForwardDone(msg.call, spec, [], placer.offset)
+        out_seg = self.segs["out"]
+        metas = [Placer.write(out_seg.u8, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
+        self.stage = "idle"
+        return P.ForwardDone(msg.call, spec, metas, 0)
+
+    def fetch(self, msg: P.Fetch) -> P.Message:
+        outs, grad = self.unfetched.pop(msg.call)
+        seg = self._seg("out", msg.outputs)
+        placer = Placer()
+        metas = [Placer.write(seg.u8, placer.reserve(t), t, grad and t.requires_grad) for t in outs]
+        return P.ForwardDone(msg.call, None, metas, 0)
+
+    # ---------------------------------------------------------------- backward
+    def backward(self, msg: P.Backward) -> P.Message:
+        self.stage = f"running backward at step {msg.step}"
+        call = self.calls.get(msg.call)
+        if call is None:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved tensors after "
+                "they have already been freed). Specify retain_graph=True if you need to backward through "
+                "the graph a second time."
+            )
+        gseg = self._seg("gout", msg.grads)
+        giseg = self._seg("gin", msg.input_grads)
+        roots, grads = [], []
+        for t, meta in zip(call.outputs, msg.grad_tensors):
+            if meta is not None and t.requires_grad:
+                roots.append(t)
+                grads.append(read(gseg.u8, meta))
+        for p in self.params:
+            p.grad = None
+        if roots:
+            torch.autograd.backward(roots, grads, retain_graph=True)
+        mask = bytearray(len(self.params))
+        for i, p in enumerate(self.params):
+            if p.requires_grad:
+                if p.grad is not None:
+                    self.grad_views[i].copy_(p.grad)
+                    mask[i] = 1
+                    p.grad = None
+                else:
+                    self.grad_views[i].zero_()
+        placer = Placer()
+        metas: list[Any] = []
+        for leaf in call.leaves:
+            if leaf is None or leaf.grad is None:
+                metas.append(None)
+                continue
+            off = placer.reserve(leaf.grad)
+            if placer.offset > msg.input_grads[1]:
+                raise RuntimeError("input-gradient segment too small (coordinator bug)")
+            metas.append(Placer.write(giseg.u8, off, leaf.grad))
+            leaf.grad = None
+        self.stage = "idle"
+        return P.BackwardDone(msg.call, bytes(mask), metas)
+
+    # ---------------------------------------------------------------- misc
+    def release(self, msg: P.Release) -> P.Message:
+        for c in msg.calls:
+            self.calls.pop(c, None)
+            self.unfetched.pop(c, None)
+        return P.ReleaseDone(len(self.calls))
+
+    def call(self, msg: P.Call) -> P.Message:
+        self.stage = "running a function on the replica"
+        fn = cloudpickle.loads(msg.fn)
+        result = fn(self.model)
+        self.stage = "idle"
+        return P.CallDone(cloudpickle.dumps(result))
