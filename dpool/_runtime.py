@@ -30,7 +30,7 @@ from ._tensors import Placer, dtype_name, nbytes, read
 from .config import Config
 from .errors import RemoteError, WorkerStartError, remote_error
 from .pool import Pool
-from .shm import Segment, sweep, tensor_view
+from .shm import Segment, standalone_view, sweep
 
 __all__ = ["Runtime"]
 
@@ -119,12 +119,12 @@ class Runtime:
         self.master = pool.new_segment(layout.size, min_size=64)
         self.param_views = []
         for p, off in zip(self.params, layout.param_offsets):
-            v = tensor_view(self.master.u8, off, p.dtype, p.shape)
+            v = standalone_view(self.master.mmap, off, p.dtype, p.shape)
             v.copy_(p.detach())
             self.param_views.append(v)
         self.buffer_views = []
         for b, off in zip(self.buffers, layout.buffer_offsets):
-            v = tensor_view(self.master.u8, off, b.dtype, b.shape)
+            v = standalone_view(self.master.mmap, off, b.dtype, b.shape)
             v.copy_(b.detach())
             self.buffer_views.append(v)
         with torch.no_grad():

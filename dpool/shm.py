@@ -27,7 +27,7 @@ import torch
 
 from .errors import SharedMemoryError
 
-__all__ = ["Segment", "attach", "sweep", "segment_prefix", "ALIGN", "align", "tensor_view"]
+__all__ = ["Segment", "attach", "sweep", "segment_prefix", "ALIGN", "align", "tensor_view", "standalone_view"]
 
 ALIGN = 64
 _NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+-\d+$")
@@ -58,6 +58,21 @@ def tensor_view(u8: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[i
         numel *= s
     nbytes = numel * dtype.itemsize
     return u8[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def standalone_view(buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """Like :func:`tensor_view`, but a tensor with its *own* storage object (and version counter).
+
+    Long-lived tensors (parameters, buffers, gradient slots) must not share one
+    autograd version counter: BatchNorm's in-place update of one buffer would
+    otherwise invalidate another tensor saved for backward.
+    """
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
 
 
 class Segment:

@@ -26,7 +26,7 @@ import torch
 from dpool import _tree
 from dpool import protocol as P
 from dpool._tensors import DTYPES, Placer, check_tensor, meta_nbytes, read
-from dpool.shm import Mapped, attach, tensor_view
+from dpool.shm import Mapped, attach, standalone_view
 
 
 class _Unpickler(pickle.Unpickler):
@@ -105,9 +105,9 @@ class Replica:
                 sys.path.append(p)
         master = self._seg("params", msg.params)
         state = self._seg("state", msg.state)
-        self.param_views = [tensor_view(master.u8, off, DTYPES[dt], shape) for dt, shape, off, _ in msg.param_layout]
-        self.grad_views = [tensor_view(state.u8, off, DTYPES[dt], shape) for dt, shape, off, _ in msg.param_layout]
-        self.buffer_views = [tensor_view(state.u8, off, DTYPES[dt], shape) for dt, shape, off in msg.buffer_layout]
+        self.param_views = [standalone_view(master.mmap, off, DTYPES[dt], shape) for dt, shape, off, _ in msg.param_layout]
+        self.grad_views = [standalone_view(state.mmap, off, DTYPES[dt], shape) for dt, shape, off, _ in msg.param_layout]
+        self.buffer_views = [standalone_view(state.mmap, off, DTYPES[dt], shape) for dt, shape, off in msg.buffer_layout]
         if msg.buffer_layout:
             start = min(off for _, _, off in msg.buffer_layout)
             end = max(off + meta_nbytes([dt, shape, off, False]) for dt, shape, off in msg.buffer_layout)

@@ -1,0 +1,51 @@
+"""Shared test helpers: running scripts as separate coordinator processes, snapshots."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(code: str, timeout: float = 90.0, cwd: str | None = None, env: dict | None = None,
+               ) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh coordinator process; its stacks are dumped if it hangs."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join([ROOT, full_env.get("PYTHONPATH", "")])
+    full_env["PYTHONFAULTHANDLER"] = "1"
+    if env:
+        full_env.update(env)
+    src = "import faulthandler, sys\nfaulthandler.dump_traceback_later(%r, exit=True)\n" % (timeout - 5) + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd or ROOT, env=full_env)
+
+
+def snapshot(module: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> dict:
+    """Everything a failed step must leave untouched."""
+    snap = {
+        "params": [p.detach().clone() for p in module.parameters()],
+        "grads": [None if p.grad is None else p.grad.clone() for p in module.parameters()],
+        "buffers": [b.clone() for b in module.buffers()],
+    }
+    if opt is not None:
+        snap["opt"] = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+                       for k, s in enumerate(opt.state.values())}
+    return snap
+
+
+def assert_unchanged(before: dict, after: dict) -> None:
+    for key in ("params", "buffers"):
+        for a, b in zip(before[key], after[key]):
+            assert torch.equal(a, b), f"{key} changed by a failed step"
+    for a, b in zip(before["grads"], after["grads"]):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), "grads changed by a failed step"
+    if "opt" in before:
+        assert before["opt"].keys() == after["opt"].keys()
+        for k in before["opt"]:
+            for n, v in before["opt"][k].items():
+                w = after["opt"][k][n]
+                assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w

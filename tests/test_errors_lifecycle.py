@@ -1,0 +1,245 @@
+"""Errors raised by replicas, dead workers, and the pool's lifecycle (close, exit, coordinator death)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+import dpool
+from tests import models
+from tests.conftest import wait_for
+from tests.helpers import assert_unchanged, run_script, snapshot
+
+
+class Faulty(nn.Module):
+    """Misbehaves on the shard whose first element is a trigger value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        code = int(x[0, 0].item())
+        if code == 101:
+            raise ValueError("bad shard")
+        if code == 102:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if code == 103:
+            import ctypes
+
+            ctypes.string_at(0)
+        if code == 104:
+            os._exit(0)
+        if code == 105:
+            class Custom(Exception):
+                def __init__(self, a, b):
+                    super().__init__(f"{a}/{b}")
+
+            raise Custom(1, 2)
+        y = self.bn(self.lin(x))
+        if code == 106:
+            y = _BackwardFails.apply(y)
+        return y
+
+
+class _BackwardFails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ArithmeticError("backward exploded")
+
+
+def batch_with(code: int | None, shard: int = 1) -> torch.Tensor:
+    x = torch.randn(8, 4)
+    if code is not None:
+        x[4 * shard, 0] = code
+    return x
+
+
+def train_step(model, opt, x):
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def test_remote_exception_is_typed_and_pool_survives(wrap):
+    net = Faulty()
+    model = wrap(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_step(model, opt, batch_with(None))
+    before = snapshot(net, opt)
+    with pytest.raises(ValueError) as info:
+        model(batch_with(101))
+    err = info.value
+    assert isinstance(err, dpool.RemoteError)
+    assert err.worker == 1 and err.pid == model.pids[1] and err.device == "cpu"
+    text = str(err)
+    assert "Caught ValueError in worker 1 (cpu, pid" in text and "bad shard" in text and "shard 1" in text
+    assert "raise ValueError" in str(err.__cause__) and "in forward" in err.remote_traceback
+    assert_unchanged(before, snapshot(net, opt))  # buffers not committed, nothing touched
+    train_step(model, opt, batch_with(None))  # the same pool keeps working
+    with pytest.raises(dpool.RemoteError, match=r"Custom.*1/2"):
+        model(batch_with(105))
+
+
+def test_backward_exception_leaves_master_untouched(wrap):
+    net = Faulty()
+    model = wrap(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, opt, batch_with(None))
+    model(batch_with(None)).sum().backward()  # grads present before the failing step
+    out = model(batch_with(106, shard=0))
+    before = snapshot(net, opt)  # after the (successful) forward: only the backward fails
+    with pytest.raises(ArithmeticError, match="backward exploded") as info:
+        out.sum().backward()
+    assert isinstance(info.value, dpool.RemoteError) and info.value.worker == 0
+    assert_unchanged(before, snapshot(net, opt))
+    train_step(model, opt, batch_with(None))
+
+
+@pytest.mark.parametrize("code,how", [(102, "killed by SIGKILL"), (103, "killed by SIGSEGV"), (104, "exited with code 0")])
+def test_worker_death_is_reported_and_breaks_pool(wrap, code, how):
+    net = Faulty()
+    model = wrap(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_step(model, opt, batch_with(None))
+    before = snapshot(net, opt)
+    pid = model.pids[1]
+    with pytest.raises(dpool.WorkerDiedError) as info:
+        model(batch_with(code))
+    err = info.value
+    assert err.worker == 1 and err.pid == pid and err.step == 2
+    assert how in str(err) and f"worker 1 (cpu, pid {pid})" in str(err)
+    if code == 103:
+        assert err.signal_name == "SIGSEGV" and "Fatal Python error" in str(err)  # faulthandler output forwarded
+    assert_unchanged(before, snapshot(net, opt))
+    with pytest.raises(dpool.PoolBrokenError, match="broken"):
+        model(batch_with(None))
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in model.pids)
+
+
+def test_close_and_context_manager_leave_nothing():
+    with dpool.wrap(models.make("mlp"), ["cpu", "cpu"]) as model:
+        pids = model.pids
+        model(torch.randn(4, 12, dtype=torch.float64))
+        assert all(psutil.pid_exists(p) for p in pids)
+    assert not any(psutil.pid_exists(p) for p in pids)
+
+
+COORDINATOR = """
+import json, os, signal, sys, torch, dpool
+from tests import models
+model = dpool.wrap(models.make("mlp"), ["cpu", "cpu"])
+model(torch.randn(4, 12, dtype=torch.float64)).sum().backward()
+print(json.dumps(model.pids), flush=True)
+{ending}
+"""
+
+
+def test_coordinator_exit_without_close():
+    res = run_script(COORDINATOR.format(ending="sys.exit(0)"))
+    assert res.returncode == 0, res.stderr
+    pids = json.loads(res.stdout.splitlines()[-1])
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=5)
+
+
+def test_coordinator_exception_exit():
+    res = run_script(COORDINATOR.format(ending="raise SystemExit('boom')"))
+    assert res.returncode == 1 and "boom" in res.stderr
+    pids = json.loads(res.stdout.splitlines()[-1])
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=5)
+
+
+def test_workers_exit_when_coordinator_is_killed():
+    res = run_script(COORDINATOR.format(ending="os.kill(os.getpid(), signal.SIGKILL)"))
+    assert res.returncode == -signal.SIGKILL
+    pids = json.loads(res.stdout.splitlines()[-1])
+    # the workers are orphans now (not our children): they must notice and exit on their own
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=5), "workers outlived the coordinator"
+
+
+def test_model_class_defined_in_main():
+    code = """
+    import copy, torch, dpool
+    from torch import nn
+
+    class Net(nn.Module):          # lives in __main__: shipped by value
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(5, 3)
+        def forward(self, x):
+            return helper(self.a(x))
+
+    def helper(y):
+        return y * 2
+
+    torch.manual_seed(0)
+    net = Net().double(); ref = copy.deepcopy(net)
+    model = dpool.wrap(net, ["cpu", "cpu"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1); ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(7, 5, dtype=torch.float64)
+        model(x).pow(2).sum().backward(); ref(x).pow(2).sum().backward()
+        opt.step(); ropt.step(); opt.zero_grad(); ropt.zero_grad()
+    assert all(torch.allclose(p, q) for p, q in zip(net.parameters(), ref.parameters()))
+    model.close()
+    print("OK")
+    """
+    res = run_script(code)
+    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stderr
+
+
+def test_model_class_from_module_on_coordinator_sys_path(wrap, tmp_path, monkeypatch):
+    (tmp_path / "my_private_model.py").write_text(
+        "import torch\n"
+        "class Scale(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.w = torch.nn.Parameter(torch.full((3,), 2.0))\n"
+        "    def forward(self, x):\n"
+        "        return x * self.w\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_private_model
+
+    model = wrap(my_private_model.Scale())
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(model(x), x * 2)
+    sys.modules.pop("my_private_model", None)
+
+
+def test_unpicklable_model_fails_clearly():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.lock = __import__("threading").Lock()
+
+    with pytest.raises(TypeError, match="could not pickle the model"):
+        dpool.wrap(Bad(), ["cpu"])
+
+
+def test_worker_side_unpickle_failure_names_stage():
+    class Exploding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def __setstate__(self, state):
+            raise RuntimeError("cannot rebuild here")
+
+    t0 = time.monotonic()
+    with pytest.raises(dpool.WorkerStartError, match="unpickling the model.*cannot rebuild here"):
+        dpool.wrap(Exploding(), ["cpu", "cpu"])
+    assert time.monotonic() - t0 < 60

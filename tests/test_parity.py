@@ -1,0 +1,122 @@
+"""dpool against single-process reference runs: outputs, gradients, parameters after steps, buffers."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests import models
+from tests.reference import per_shard
+
+MODELS = ["mlp", "cnn", "lstm", "dict"]
+
+
+def assert_tree_close(a, b, **kw):
+    if isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, **kw)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_tree_close(a[k], b[k], **kw)
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), (type(a), type(b))
+        for x, y in zip(a, b):
+            assert_tree_close(x, y, **kw)
+    else:
+        assert a == b
+
+
+def clone_inputs(args, kwargs):
+    return copy.deepcopy(args), copy.deepcopy(kwargs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("n_workers", [2, 3])
+def test_training_matches_reference(wrap, name, n_workers):
+    """N steps with SGD+momentum equal N single-process (DataParallel-semantics) steps."""
+    net = models.make(name)
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * n_workers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step, batch in enumerate([11, 7, 2, 9]):  # uneven, and smaller than the worker count
+        args, kwargs = models.batch(name, batch, seed=step)
+        rargs, rkwargs = clone_inputs(args, kwargs)
+        out = model(*args, **kwargs)
+        rout = per_shard(ref, rargs, rkwargs, n_workers, batch)
+        assert_tree_close(out, rout)
+        models.loss_of(name, out).backward()
+        models.loss_of(name, rout).backward()
+        for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (rp.grad is None), n
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"grad of {n}: {m}")
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp, msg=lambda m: f"param {n}: {m}")
+    for (n, b), rb in zip(net.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, rb, msg=lambda m: f"buffer {n}: {m}")
+    # Momentum buffers of the optimizer evolved identically.
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], ropt.state[rp]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("name", ["mlp", "lstm", "dict"])
+def test_equals_full_batch_single_process(wrap, name):
+    """Without batch-coupled layers, dpool equals the plain full-batch single-process run."""
+    net = models.make(name)
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    args, kwargs = models.batch(name, 13)
+    out = model(*args, **kwargs)
+    rout = ref(*clone_inputs(args, kwargs)[0], **clone_inputs(args, kwargs)[1])
+    if name == "dict":  # Python numbers come back as one entry per shard
+        assert out["n"] == [7, 6] and rout["n"] == 13
+        rout["n"] = out["n"]
+    assert_tree_close(out, rout)
+    models.loss_of(name, out).backward()
+    models.loss_of(name, rout).backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+
+
+def test_cnn_eval_mode_equals_full_batch(wrap):
+    net = models.make("cnn")
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    (x,), _ = models.batch("cnn", 10)
+    model(x).sum().backward()  # one training step updates running stats
+    ref_out = per_shard(ref, (x,), {}, 2, 10)
+    ref_out.sum().backward()
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+    for b, rb in zip(net.buffers(), ref.buffers()):
+        torch.testing.assert_close(b, rb)
+    assert int(net.bn1.num_batches_tracked) == 1
+
+
+def test_float32_training(wrap):
+    net = models.make("cnn", dtype=torch.float32)
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ropt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        (x,), _ = models.batch("cnn", 8, dtype=torch.float32, seed=step)
+        out = model(x)
+        rout = per_shard(ref, (x,), {}, 2, 8)
+        torch.testing.assert_close(out, rout, rtol=1e-4, atol=1e-5)
+        out.pow(2).mean().backward()
+        rout.pow(2).mean().backward()
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,341 @@
+"""Scatter, gather, autograd, modes and state_dict: nn.DataParallel's semantics, point by point."""
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import OrderedDict, namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import dpool
+from dpool import protocol as P
+from dpool._scatter import even_sizes, plan
+from tests import models
+
+
+class ShardInfo(nn.Module):
+    """Returns what each shard saw: its batch size, the non-tensor args, structure types."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x, nested, *, opt=None, flag="x"):
+        info = {
+            "rows": x.shape[0],
+            "nested_types": [type(nested).__name__, type(nested[0]).__name__, type(nested[1]).__name__],
+            "inner_rows": [nested[0][0].shape[0], nested[1]["t"].shape[0], nested[1]["nt"].a.shape[0]],
+            "const": nested[1]["const"],
+            "flag": flag,
+            "opt_rows": None if opt is None else opt.shape[0],
+            "scalar": float(nested[1]["scalar"]),
+        }
+        return x * self.w, info
+
+
+NT = namedtuple("NT", ["a", "b"])
+
+
+def test_even_sizes_and_plan():
+    assert even_sizes(9, 4) == [3, 2, 2, 2]  # chunk would give [3, 3, 3] and idle a device
+    assert even_sizes(10, 4) == [3, 3, 2, 2]
+    assert even_sizes(36, 7) == [6, 6, 5, 5, 5, 5, 4] or sum(even_sizes(36, 7)) == 36
+    for n in range(1, 40):
+        for k in range(1, 9):
+            s = even_sizes(n, k)
+            assert sum(s) == n and max(s) - min(s) <= 1 and len(s) == k
+    k, splits = plan([torch.zeros(3, 2), torch.zeros(()), torch.zeros(5)], 4, 0)
+    assert k == 3 and splits == [[1, 1, 1], None, [2, 2, 1]]
+    with pytest.raises(ValueError, match="empty batch"):
+        plan([torch.zeros(0, 3)], 2, 0)
+
+
+def test_scatter_nested_structures_and_constants(wrap):
+    model = wrap(ShardInfo(), ["cpu"] * 4)
+    x = torch.randn(9, 3)
+    nested = ([torch.randn(9, 2)], OrderedDict(t=torch.randn(9), nt=NT(torch.randn(9, 1), "b"), const="c",
+                                                scalar=torch.tensor(2.5)))
+    out, info = model(x, nested, opt=torch.randn(9, 4), flag="kw")
+    torch.testing.assert_close(out, x)
+    assert info["rows"] == [3, 2, 2, 2]
+    # lists are rebuilt element-wise, and each leaf holds one entry per shard
+    assert info["inner_rows"] == [[3, 2, 2, 2]] * 3
+    assert info["nested_types"] == [["tuple"] * 4, ["list"] * 4, ["OrderedDict"] * 4]
+    assert info["const"] == ["c"] * 4 and info["flag"] == ["kw"] * 4
+    assert info["opt_rows"] == [3, 2, 2, 2]
+    assert info["scalar"] == [2.5] * 4  # 0-dim tensors are given whole to every shard
+
+
+def test_small_batch_uses_fewer_workers(wrap):
+    model = wrap(ShardInfo(), ["cpu"] * 3)
+    nested = ([torch.randn(2, 2)], {"t": torch.randn(2), "nt": NT(torch.randn(2, 1), 0), "const": 1,
+                                    "scalar": torch.tensor(1.0)})
+    _, info = model(torch.randn(2, 3), nested)
+    assert info["rows"] == [1, 1]
+    _, info = model(torch.randn(1, 3), nested)
+    assert info["rows"] == [1]
+
+
+@dataclass
+class Out:
+    y: torch.Tensor
+    name: str
+
+
+class Structured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return {
+            "tuple": (y, None),
+            "list": [y * 2],
+            "nt": NT(y, y.sum(dim=1)),
+            "scalar_loss": y.pow(2).mean(),
+            "text": "shard",
+            "number": 3,
+            "dc": Out(y, "n"),
+            "ints": x.argmax(dim=1),
+        }
+
+
+def test_gather_structures(wrap):
+    net = Structured().double()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="all input tensors were scalars"):
+        out = model(x)
+    r = ref(x)
+    torch.testing.assert_close(out["tuple"][0], r["tuple"][0])
+    assert out["tuple"][1] is None and isinstance(out["tuple"], tuple)
+    torch.testing.assert_close(out["list"][0], r["list"][0])
+    assert isinstance(out["nt"], NT)
+    torch.testing.assert_close(out["nt"].b, r["nt"].b)
+    # 0-dim outputs become a vector with one entry per shard, as in DataParallel
+    assert out["scalar_loss"].shape == (2,)
+    torch.testing.assert_close(out["scalar_loss"][0], ref(x[:3])["scalar_loss"])
+    assert out["text"] == ["shard", "shard"] and out["number"] == [3, 3]
+    assert isinstance(out["dc"], Out) and out["dc"].name == ["n", "n"]
+    torch.testing.assert_close(out["dc"].y, r["dc"].y)
+    assert out["ints"].dtype == torch.int64 and not out["ints"].requires_grad
+    torch.testing.assert_close(out["ints"], r["ints"])
+    # backward through a gathered scalar vector reaches the parameters
+    out["scalar_loss"].sum().backward()
+    expected = sum(torch.autograd.grad(ref(c)["scalar_loss"], ref.lin.weight)[0] for c in (x[:3], x[3:]))
+    torch.testing.assert_close(net.lin.weight.grad, expected)
+
+
+def test_gather_along_dim1(wrap):
+    net = nn.LSTM(4, 5).double()  # seq-first: batch is dim 1
+    ref = copy.deepcopy(net)
+    model = wrap(net, dim=1)
+    x = torch.randn(6, 7, 4, dtype=torch.float64)
+    out, (h, c) = model(x)
+    rout, (rh, rc) = ref(x)
+    torch.testing.assert_close(out, rout)
+    torch.testing.assert_close(h, rh)
+    (out.sum() + h.sum()).backward()
+    (rout.sum() + rh.sum()).backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+
+
+def test_gradient_accumulation_and_input_grads(wrap):
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    xs = [torch.randn(7, 12, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    rxs = [x.detach().clone().requires_grad_() for x in xs]
+    for x, rx in zip(xs, rxs):
+        model(x).sum().backward()
+        ref(rx).sum().backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+    for x, rx in zip(xs, rxs):
+        torch.testing.assert_close(x.grad, rx.grad)
+
+
+def test_two_forwards_one_backward_and_retain_graph(wrap):
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    a, b = torch.randn(5, 12, dtype=torch.float64), torch.randn(6, 12, dtype=torch.float64)
+    loss = model(a).sum() + (model(b) ** 2).sum()  # two graphs alive on every worker at once
+    rloss = ref(a).sum() + (ref(b) ** 2).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    rloss.backward(retain_graph=True)
+    rloss.backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    live = model._runtime.pool.request({0: P.Release([])}, "test")[0]
+    assert isinstance(live, P.ReleaseDone)
+
+
+def test_no_grad_inference_mode_and_no_graph_kept(wrap):
+    model = wrap(models.make("mlp"))
+    x = torch.randn(8, 12, dtype=torch.float64)
+    with torch.no_grad():
+        y = model(x)
+    assert not y.requires_grad
+    with torch.inference_mode():
+        z = model(x)
+    assert z.is_inference()
+    torch.testing.assert_close(y, z)
+    out = model(x)
+    out.sum().backward()
+    del out
+    with torch.no_grad():
+        model(x)  # the release of the earlier graph piggybacks on this call
+    replies = model._runtime.pool.request({i: P.Release([]) for i in range(2)}, "test")
+    assert [r.live for r in replies.values()] == [0, 0]
+
+
+def test_train_eval_reach_replicas(wrap):
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Dropout(0.5)
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x), torch.tensor([float(self.training), float(self.inner.training)])
+
+    model = wrap(Probe())
+    x = torch.randn(4, 2)
+    assert model(x)[1].tolist() == [1.0, 1.0, 1.0, 1.0]
+    model.eval()
+    assert model(x)[1].tolist() == [0.0] * 4
+    model.train()
+    model.module.inner.eval()  # per-submodule flags travel too
+    assert model(x)[1].tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_frozen_parameters_get_no_grad(wrap):
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    net.net[0].weight.requires_grad_(False)
+    ref.net[0].weight.requires_grad_(False)
+    x = torch.randn(6, 12, dtype=torch.float64)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert net.net[0].weight.grad is None
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        if rp.grad is not None:
+            torch.testing.assert_close(p.grad, rp.grad)
+
+
+def test_unused_parameter_grad_is_none(wrap):
+    class Partial(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(3, 3)
+            self.unused = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    net = Partial()
+    model = wrap(net)
+    model(torch.randn(4, 3)).sum().backward()
+    assert net.unused.weight.grad is None and net.used.weight.grad is not None
+
+
+def test_state_dict_prefix_and_interop(wrap):
+    net = models.make("cnn")
+    model = wrap(net)
+    sd = model.state_dict()
+    assert all(k.startswith("module.") for k in sd)
+    assert sd.keys() == nn.DataParallel(copy.deepcopy(net)).state_dict().keys()
+    assert list(model.parameters()) == list(net.parameters())
+    assert dpool.unwrap(model) is net and dpool.is_wrapped(model) and dpool.wrap(model) is model
+    # a checkpoint from nn.DataParallel loads into dpool, and values reach the workers
+    other = models.make("cnn", seed=5)
+    model.load_state_dict(nn.DataParallel(other).state_dict())
+    model.eval()
+    other.eval()
+    (x,), _ = models.batch("cnn", 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), other(x))
+    plain = models.make("cnn", seed=9)
+    plain.load_state_dict(model.module.state_dict())
+    for a, b in zip(plain.state_dict().values(), net.state_dict().values()):
+        torch.testing.assert_close(a, b)
+
+
+def test_replaced_parameter_data_reaches_workers(wrap):
+    net = nn.Linear(3, 1, bias=False).double()
+    model = wrap(net)
+    net.weight.data = torch.ones(1, 3, dtype=torch.float64)  # replaced, not updated in place
+    x = torch.randn(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(model(x), x.sum(dim=1, keepdim=True))
+    net.weight.data = torch.ones(2, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="changed to"):
+        model(x)
+
+
+def test_master_survives_close(wrap):
+    net = models.make("mlp")
+    model = wrap(net)
+    x = torch.randn(4, 12, dtype=torch.float64)
+    expected = model(x).detach()
+    model.close()
+    torch.testing.assert_close(net(x), expected)
+    with pytest.raises(dpool.PoolBrokenError, match="closed"):
+        model(x)
+    model.close()  # idempotent
+
+
+def test_device_ids_parsing():
+    from dpool.data_parallel import _parse_devices
+
+    assert _parse_devices(["cpu", torch.device("cpu")]) == ["cpu", "cpu"]
+    assert _parse_devices([0, "cuda:1"]) == ["cuda:0", "cuda:1"]
+    if not torch.cuda.is_available():
+        import psutil
+
+        assert _parse_devices(None) == ["cpu"] * psutil.cpu_count(logical=False)
+    with pytest.raises(TypeError):
+        _parse_devices("cpu")
+    with pytest.raises(ValueError):
+        _parse_devices([])
+    with pytest.raises(NotImplementedError, match="CUDA workers"):
+        dpool.wrap(nn.Linear(2, 2), [0, 1])
+
+
+def test_threads_set_and_restored(wrap):
+    before = torch.get_num_threads()
+    model = wrap(nn.Linear(2, 2), worker_threads=1)
+    assert torch.get_num_threads() == 1
+    threads = model.worker_states(lambda m: torch.get_num_threads())
+    assert threads == [1, 1]
+    model.close()
+    assert torch.get_num_threads() == before
+
+
+def test_worker_states_reads_replica_attributes(wrap):
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.lin(x)
+
+    net = Counter()
+    model = wrap(net)
+    for _ in range(3):
+        model(torch.randn(4, 2))
+    assert model.worker_states(lambda m: m.calls) == [3, 3]
+    assert net.calls == 0  # attribute mutations stay in the replicas, as with DataParallel
