@@ -172,6 +172,7 @@ class Pool:
         self._lock = threading.RLock()
         self._in_round = False
         self._segments: list[Segment] = []
+        self._seg_counter = 0
         self._key = secrets.token_bytes(32)
         self.codec = P.Codec(self._key, config.max_message_bytes)
         self._seq_out = 0
@@ -208,7 +209,8 @@ class Pool:
         """Create a segment of at least ``size`` bytes, tracked for unlinking on close."""
         size = max(size, min_size)
         size = 1 << (size - 1).bit_length()  # grow in powers of two
-        seg = Segment(self.config.shm_dir, f"{self.prefix}-{len(self._segments)}", size)
+        self._seg_counter += 1  # names are never reused: workers cache mappings by name
+        seg = Segment(self.config.shm_dir, f"{self.prefix}-{self._seg_counter}", size)
         self._segments.append(seg)
         return seg
 
@@ -336,7 +338,7 @@ class Pool:
         self._seq_out += 1
         frames = self.codec.encode(msg, self._seq_out)
         try:
-            self._sock.send_multipart([b"w%d" % idx] + frames, copy=False)
+            self._sock.send_multipart([b"w%d" % idx] + frames)
         except zmq.ZMQError as exc:
             self._raise_dead(w, f"sending {msg.op}", detail=f" (send failed: {exc})")
         self._pending[idx] += 1

@@ -339,3 +339,25 @@ def test_worker_states_reads_replica_attributes(wrap):
         model(torch.randn(4, 2))
     assert model.worker_states(lambda m: m.calls) == [3, 3]
     assert net.calls == 0  # attribute mutations stay in the replicas, as with DataParallel
+
+
+def test_buffers_grow_with_the_batch(wrap):
+    """Input, output and gradient segments grow (new segments) when a larger batch arrives."""
+    net = nn.Conv2d(3, 4, 3).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    rt = model._runtime
+    sizes = []
+    for n in [2, 64, 300, 8, 300]:
+        x = torch.randn(n, 3, 20, 20, dtype=torch.float64, requires_grad=True)
+        rx = x.detach().clone().requires_grad_()
+        out = model(x)
+        rout = ref(rx)
+        torch.testing.assert_close(out, rout)
+        out.pow(2).sum().backward()
+        rout.pow(2).sum().backward()
+        torch.testing.assert_close(x.grad, rx.grad)
+        sizes.append(tuple(rt._io[0][r].seg.size for r in ("in", "out", "gout", "gin")))
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+    assert sizes[2] > sizes[0] and sizes[3] == sizes[2] == sizes[4]  # grown once, then reused

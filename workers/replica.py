@@ -29,6 +29,20 @@ from dpool._tensors import DTYPES, Placer, check_tensor, meta_nbytes, read
 from dpool.shm import Mapped, attach, standalone_view
 
 
+def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward(roots, grads, retain_graph=True)`` without its argument checks.
+
+    The shapes and dtypes were checked by the coordinator's autograd. Skipping
+    ``_make_grads`` also skips its lazy import of sympy, which costs over a
+    second on a worker's first backward.
+    """
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None:  # pragma: no cover - other torch versions
+        torch.autograd.backward(roots, grads, retain_graph=True)
+        return
+    engine.run_backward(tuple(roots), tuple(grads), True, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, load: Callable[[Any], Any]) -> None:
         super().__init__(io.BytesIO(data))
@@ -225,7 +239,7 @@ class Replica:
         for p in self.params:
             p.grad = None
         if roots:
-            torch.autograd.backward(roots, grads, retain_graph=True)
+            _run_backward(roots, grads)
         mask = bytearray(len(self.params))
         for i, p in enumerate(self.params):
             if p.requires_grad:

@@ -102,7 +102,7 @@ def main() -> None:
     def send(msg: P.Message) -> None:
         nonlocal seq_out
         seq_out += 1
-        sock.send_multipart(codec.encode(msg, seq_out), copy=False)
+        sock.send_multipart(codec.encode(msg, seq_out))
 
     send(P.Hello(index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
     while True:

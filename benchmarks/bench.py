@@ -1,0 +1,269 @@
+"""Training throughput of dpool against single-process, nn.DataParallel, DDP (gloo) and the ideal.
+
+    python benchmarks/bench.py                     # full run: every workload, every setup
+    python benchmarks/bench.py --smoke             # a few steps; runs inside the test suite
+    python benchmarks/bench.py --workloads cnn --setups single,dpool
+
+Method: every setup is built once and warmed up; then repeats are interleaved
+(A B C … A B C …) so that machine noise hits every setup alike. Each repeat
+times ``--steps`` full training steps (forward, loss, backward, SGD step) on
+the same global batch. The table reports the median samples/s and the spread
+(min–max) over repeats; ratios are taken between medians of the same run.
+
+Setups, on N = --workers:
+  single   one process, torch using every core
+  dp       torch.nn.DataParallel; on a CPU-only machine it runs the whole batch in
+           one module (DataParallel has no CPU parallelism), so it is `single` plus overhead
+  ddp      DistributedDataParallel, gloo backend, N ranks, global batch / N each
+  dpool    dpool.wrap with N CPU workers
+  ideal    one shard (global batch / N) forward+backward alone on cores / N threads:
+           N-way parallelism with zero communication
+
+Results go to --out as JSON and a PNG chart; the Markdown table is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import psutil
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.workloads import WORKLOADS, Workload  # noqa: E402
+
+CORES = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, w: Workload, data: list, steps: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        opt.zero_grad(set_to_none=True)
+        w.loss(model(x), y).backward()
+        opt.step()
+    return time.perf_counter() - t0
+
+
+class Local:
+    """single / dp / ideal / dpool: run in this process."""
+
+    def __init__(self, setup: str, w: Workload, workers: int, seed: int = 0) -> None:
+        self.setup, self.w = setup, w
+        torch.manual_seed(seed)
+        net = w.make()
+        g = torch.Generator().manual_seed(seed)
+        n = w.global_batch // workers if setup == "ideal" else w.global_batch
+        self.data = [w.batch(n, g) for _ in range(4)]
+        self.threads = max(1, CORES // workers) if setup == "ideal" else CORES
+        if setup == "dp":
+            net = torch.nn.DataParallel(net)
+        if setup == "dpool":
+            import dpool
+
+            net = dpool.wrap(net, ["cpu"] * workers)
+            self.threads = 1  # dpool holds the coordinator to one thread while the pool is open
+        self.model = net
+        self.opt = torch.optim.SGD(net.parameters(), lr=w.lr, momentum=0.9)
+        self.samples = w.global_batch  # ideal: one shard's time stands for the whole batch
+
+    def run(self, steps: int) -> float:
+        torch.set_num_threads(self.threads)
+        return _steps(self.model, self.opt, self.w, self.data, steps)
+
+    def close(self) -> None:
+        if hasattr(self.model, "close"):
+            self.model.close()
+
+
+def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(max(1, CORES // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    w = WORKLOADS[wname]
+    torch.manual_seed(0)
+    model = DDP(w.make())
+    opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
+    g = torch.Generator().manual_seed(rank + 1)
+    data = [w.batch(w.global_batch // world, g) for _ in range(4)]
+    while True:
+        steps = conn.recv()
+        if steps is None:
+            break
+        dist.barrier()
+        elapsed = _steps(model, opt, w, data, steps)
+        dist.barrier()
+        conn.send(elapsed)
+    dist.destroy_process_group()
+
+
+class DDPRunner:
+    def __init__(self, w: Workload, workers: int) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for r in range(workers):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_ddp_rank, args=(r, workers, port, w.name, b), daemon=True)
+            p.start()
+            self.conns.append(a)
+            self.procs.append(p)
+        self.samples = w.global_batch
+
+    def run(self, steps: int) -> float:
+        for c in self.conns:
+            c.send(steps)
+        return max(c.recv() for c in self.conns)
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def make_runner(setup: str, w: Workload, workers: int) -> Any:
+    if setup == "ddp":
+        return DDPRunner(w, workers)
+    return Local(setup, w, workers)
+
+
+def bench(workloads: list[str], setups: list[str], workers: int, steps: int, warmup: int, repeats: int) -> dict:
+    results: dict[str, Any] = {
+        "machine": {
+            "cores_physical": CORES, "cpus_logical": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(),
+        },
+        "workers": workers, "steps": steps, "repeats": repeats, "workloads": {},
+    }
+    for wname in workloads:
+        w = WORKLOADS[wname]
+        runners = {}
+        try:
+            for s in setups:
+                runners[s] = make_runner(s, w, workers)
+                runners[s].run(warmup)
+            times: dict[str, list[float]] = {s: [] for s in setups}
+            for _ in range(repeats):
+                for s in setups:  # interleaved: A B C A B C ...
+                    times[s].append(runners[s].run(steps))
+        finally:
+            for r in runners.values():
+                r.close()
+        entry: dict[str, Any] = {"global_batch": w.global_batch, "setups": {}}
+        for s in setups:
+            sps = [w.global_batch * steps / t for t in times[s]]
+            ms = [1000 * t / steps for t in times[s]]
+            entry["setups"][s] = {
+                "samples_per_s": statistics.median(sps), "samples_per_s_min": min(sps), "samples_per_s_max": max(sps),
+                "ms_per_step": statistics.median(ms), "ms_per_step_min": min(ms), "ms_per_step_max": max(ms),
+            }
+        med = {s: entry["setups"][s]["samples_per_s"] for s in setups}
+        if "dpool" in med:
+            entry["ratios"] = {f"dpool/{s}": med["dpool"] / med[s] for s in setups if s != "dpool"}
+            if "ideal" in med:
+                entry["framework_ms_per_step"] = (
+                    entry["setups"]["dpool"]["ms_per_step"] - entry["setups"]["ideal"]["ms_per_step"]
+                )
+        results["workloads"][wname] = entry
+    return results
+
+
+def table(results: dict) -> str:
+    setups = next(iter(results["workloads"].values()))["setups"].keys()
+    lines = ["| workload | batch | " + " | ".join(f"{s} samples/s (ms/step)" for s in setups) + " | dpool ratios |",
+             "|---" * (len(setups) + 3) + "|"]
+    for wname, e in results["workloads"].items():
+        cells = []
+        for s in setups:
+            d = e["setups"][s]
+            cells.append(f"{d['samples_per_s']:.0f} ({d['ms_per_step']:.2f}; {d['ms_per_step_min']:.2f}–{d['ms_per_step_max']:.2f})")
+        ratios = ", ".join(f"{k.split('/')[1]} {v:.2f}×" for k, v in e.get("ratios", {}).items())
+        if "framework_ms_per_step" in e:
+            ratios += f"; framework {e['framework_ms_per_step']:.2f} ms/step"
+        lines.append(f"| {wname} | {e['global_batch']} | " + " | ".join(cells) + f" | {ratios} |")
+    m = results["machine"]
+    lines.append("")
+    lines.append(f"Machine: {m['cores_physical']} physical cores, {m['platform']}, Python {m['python']}, torch "
+                 f"{m['torch']}; {results['workers']} workers/ranks; {results['repeats']} interleaved repeats of "
+                 f"{results['steps']} steps; median (min–max). `dp` on a CPU-only machine runs the whole batch in "
+                 "one module: DataParallel has no CPU parallelism.")
+    return "\n".join(lines)
+
+
+def chart(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wl = list(results["workloads"])
+    setups = list(next(iter(results["workloads"].values()))["setups"])
+    fig, axes = plt.subplots(1, len(wl), figsize=(4 * len(wl), 3.5), squeeze=False)
+    for ax, wname in zip(axes[0], wl):
+        e = results["workloads"][wname]["setups"]
+        vals = [e[s]["samples_per_s"] for s in setups]
+        errs = [[v - e[s]["samples_per_s_min"] for s, v in zip(setups, vals)],
+                [e[s]["samples_per_s_max"] - v for s, v in zip(setups, vals)]]
+        ax.bar(setups, vals, yerr=errs, color=["#888" if s != "dpool" else "#d62" for s in setups])
+        ax.set_title(wname)
+        ax.set_ylabel("samples/s")
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"training throughput, {results['workers']} workers, {results['machine']['cores_physical']} cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="mlp,cnn,lstm,probe")
+    ap.add_argument("--setups", default="single,dp,ddp,dpool,ideal")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=None, help="steps per repeat (default: per workload)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="2 steps, 1 repeat: checks that the benchmark runs")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    a = ap.parse_args(argv)
+    workloads = a.workloads.split(",")
+    setups = a.setups.split(",")
+    if a.smoke:
+        a.steps, a.warmup, a.repeats = 2, 1, 1
+    all_results: dict[str, Any] = {}
+    for wname in workloads:
+        steps = a.steps or {"mlp": 30, "cnn": 4, "lstm": 10, "probe": 300}[wname]
+        r = bench([wname], setups, a.workers, steps, a.warmup, a.repeats)
+        if not all_results:
+            all_results = r
+        else:
+            all_results["workloads"].update(r["workloads"])
+        all_results["steps"] = "per workload"
+    os.makedirs(a.out, exist_ok=True)
+    stem = "smoke" if a.smoke else "latest"
+    with open(os.path.join(a.out, f"{stem}.json"), "w") as f:
+        json.dump(all_results, f, indent=2)
+    chart(all_results, os.path.join(a.out, f"{stem}.png"))
+    print(table(all_results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

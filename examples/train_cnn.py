@@ -1,0 +1,100 @@
+"""Train a small CNN with BatchNorm on synthetic images, with dpool, nn.DataParallel or one process.
+
+    python examples/train_cnn.py                          # dpool, one worker per physical core
+    python examples/train_cnn.py --mode single            # the same run without dpool
+    python examples/train_cnn.py --mode dataparallel
+    python examples/train_cnn.py --workers 2 --epochs 3
+
+The data set is generated (nothing is downloaded): 10 classes of 3x32x32
+images, each class a fixed random pattern plus noise, so the loss falls and
+accuracy climbs within a few epochs. Prints a progress bar per epoch, the
+loss, the held-out accuracy and the training throughput in samples/s.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+import dpool
+
+
+class CNN(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        )
+        self.head = nn.Linear(64, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def synthetic(n: int, seed: int, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    patterns = torch.randn(classes, 3, 32, 32, generator=g)
+    g.manual_seed(seed)
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = patterns[y] + 0.7 * torch.randn(n, 3, 32, 32, generator=g)
+    return x, y
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["dpool", "dataparallel", "single"], default="dpool")
+    ap.add_argument("--workers", type=int, default=psutil.cpu_count(logical=False) or 2)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--train-size", type=int, default=4096)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=0.05)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    x_train, y_train = synthetic(args.train_size, seed=1)
+    x_test, y_test = synthetic(1024, seed=2)
+    net = CNN()
+    if args.mode == "dpool":
+        model: nn.Module = dpool.wrap(net, ["cpu"] * args.workers)
+    elif args.mode == "dataparallel":
+        model = nn.DataParallel(net)  # on a CPU-only machine: one module, no parallelism
+    else:
+        model = net
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    print(f"mode={args.mode} workers={args.workers if args.mode == 'dpool' else 1} "
+          f"torch threads in this process={torch.get_num_threads()}")
+    samples, train_time = 0, 0.0
+    try:
+        for epoch in range(args.epochs):
+            model.train()
+            perm = torch.randperm(args.train_size)
+            bar = tqdm(range(0, args.train_size, args.batch_size), desc=f"epoch {epoch + 1}/{args.epochs}")
+            t0 = time.perf_counter()
+            for start in bar:
+                idx = perm[start:start + args.batch_size]
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+                loss.backward()
+                opt.step()
+                samples += len(idx)
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+            train_time += time.perf_counter() - t0
+            model.eval()
+            with torch.no_grad():
+                pred = torch.cat([model(x_test[i:i + 512]).argmax(1) for i in range(0, len(x_test), 512)])
+            print(f"epoch {epoch + 1}: loss {loss.item():.3f}, test accuracy {(pred == y_test).float().mean():.1%}")
+    finally:
+        if isinstance(model, dpool.DataParallel):
+            model.close()
+    print(f"throughput: {samples / train_time:.0f} samples/s ({args.mode})")
+
+
+if __name__ == "__main__":
+    main()
