@@ -65,7 +65,7 @@ class CallState:
         dim = self.runtime.dim
         warned = False
         for g, stacked in zip(self.groups, self.stacked):
-            parts = [read(self.outs[s].u8, self.metas[s][g[s]]) for s in range(self.k)]
+            parts = [read(self.outs[s].views, self.metas[s][g[s]]) for s in range(self.k)]
             if stacked:
                 if dim == 0 and not warned:
                     warnings.warn(_SCALAR_WARNING)
@@ -109,7 +109,7 @@ class CallState:
                 if m is None:
                     parts.append(None)
                 else:
-                    parts.append(read(io[s]["gin"].seg.u8, m))
+                    parts.append(read(io[s]["gin"].seg.views, m))
             if all(p is None for p in parts):
                 out.append(None)
                 continue

@@ -161,6 +161,11 @@ class Runtime:
                     f"sys.path) or defined in the training script.\n--- remote traceback ---\n{r.traceback}"
                 )
         pool.unlink_segments()
+        # Each worker's gradient slot, one dense tensor per dtype group (summed in backward).
+        self._grad_slots = [
+            [st.u8[start:end].view(dtype) for dtype, start, end, _ in self.layout.param_groups] for st in self.states
+        ]
+        self._module_list = list(self.module.modules())
         b = self.layout.buffer_range
         if b is not None:
             self._master_buffers = self.master.u8[b[0]:b[1]]
@@ -265,7 +270,7 @@ class Runtime:
             placer = Placer()
             offs = [placer.reserve(t) for t in shards[s]]
             seg, start = self._input_region(s, placer.offset)
-            metas = [Placer.write(seg.u8, start + o, t, r) for o, t, r in zip(offs, shards[s], rg)]
+            metas = [Placer.write(seg.views, start + o, t, r) for o, t, r in zip(offs, shards[s], rg)]
             spans.append((seg, start, start + placer.offset))
             gin = Placer()
             for t, r in zip(shards[s], rg):
@@ -320,7 +325,7 @@ class Runtime:
         return None
 
     def _modules(self) -> list[torch.nn.Module]:
-        return list(self.module.modules())
+        return self._module_list
 
     # ------------------------------------------------------------------ backward
     def backward(self, state: CallState, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -335,7 +340,7 @@ class Runtime:
             placer = Placer()
             offs = [placer.reserve(g) if g is not None else None for g in pieces]
             seg = self._ensure(s, "gout", placer.offset)
-            gmetas = [Placer.write(seg.u8, o, g) if g is not None else None for o, g in zip(offs, pieces)]
+            gmetas = [Placer.write(seg.views, o, g) if g is not None else None for o, g in zip(offs, pieces)]
             gin = self._ensure(s, "gin", state.gin_sizes[s])
             msgs[s] = P.Backward(state.call, pool.step, seg.ref(), gmetas, gin.ref())
         replies = pool.request(msgs, "running backward")
@@ -347,10 +352,10 @@ class Runtime:
             for i, b in enumerate(replies[s].param_mask):
                 mask[i] |= b
         param_grads: list[torch.Tensor | None] = [None] * len(self.params)
-        for dtype, start, end, idxs in self.layout.param_groups:
+        for g, (dtype, start, end, idxs) in enumerate(self.layout.param_groups):
             if not any(mask[i] for i in idxs):
                 continue
-            views = [self.states[s].u8[start:end].view(dtype) for s in range(state.k)]
+            views = [self._grad_slots[s][g] for s in range(state.k)]
             total = torch.add(views[0], views[1]) if len(views) > 1 else views[0].clone()
             for v in views[2:]:
                 total.add_(v)

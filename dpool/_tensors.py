@@ -9,9 +9,11 @@ contiguous (row-major) layout.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .shm import align, tensor_view
+from .shm import align
 
 __all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer"]
 
@@ -33,8 +35,13 @@ def dtype_name(dtype: torch.dtype) -> str:
         ) from None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def check_tensor(t: torch.Tensor, what: str) -> None:
     """Raise ``TypeError`` for tensors dpool cannot move through shared memory."""
+    if type(t) in _PLAIN and t.layout == torch.strided and t.dtype in _NAMES and not t.is_nested:
+        return  # fast path; quantized dtypes are not in _NAMES
     if t.layout != torch.strided:
         raise TypeError(f"{what}: dpool only transports dense (strided) tensors, got layout {t.layout}; "
                         "call .to_dense() first")
@@ -68,18 +75,19 @@ class Placer:
         return off
 
     @staticmethod
-    def write(u8: torch.Tensor, offset: int, t: torch.Tensor, requires_grad: bool = False) -> list:
+    def write(views: Any, offset: int, t: torch.Tensor, requires_grad: bool = False) -> list:
+        """Copy ``t`` into the segment whose view cache is ``views``; return its meta."""
         name = dtype_name(t.dtype)
         shape = list(t.shape)
         if t.numel():
-            tensor_view(u8, offset, t.dtype, shape).copy_(t.detach())
+            views.view(offset, t.dtype, shape).copy_(t.detach())
         return [name, shape, offset, requires_grad]
 
 
-def read(u8: torch.Tensor, meta: list) -> torch.Tensor:
-    """A view (no copy) of the tensor ``meta`` describes."""
+def read(views: Any, meta: list) -> torch.Tensor:
+    """A view (no copy) of the tensor ``meta`` describes, from a segment's view cache."""
     name, shape, offset, _ = meta
-    return tensor_view(u8, offset, DTYPES[name], shape)
+    return views.view(offset, DTYPES[name], shape)
 
 
 def meta_nbytes(meta: list) -> int:

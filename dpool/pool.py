@@ -195,8 +195,8 @@ class Pool:
             self._poller.register(self._sock, zmq.POLLIN)
             # Heartbeat slots: one int64 (CLOCK_MONOTONIC ns) per worker.
             self.control = self.new_segment(8 * max(1, len(self.devices)), min_size=4096)
-            self._beats = self.control.u8[: 8 * len(self.devices)].view(torch.int64)
-            self._beats.fill_(time.monotonic_ns())
+            self.control.u8[: 8 * len(self.devices)].view(torch.int64).fill_(time.monotonic_ns())
+            self._beats = memoryview(self.control.mmap).cast("q")  # plain ints: no tensor op per check
             for w in self.workers:
                 self._spawn(w)
             self._await_hello()
@@ -390,7 +390,7 @@ class Pool:
             if need:
                 now_ns = time.monotonic_ns()
                 for idx in need:
-                    silent = now_ns - int(self._beats[idx])
+                    silent = now_ns - self._beats[idx]
                     if silent > hb_timeout_ns:
                         w = self.workers[idx]
                         self._dump_and_kill(w)

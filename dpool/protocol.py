@@ -27,7 +27,6 @@ with ``failed``.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -73,8 +72,10 @@ class Message:
     # name -> allowed python types, used to validate a decoded body.
     _types: ClassVar[dict[str, tuple[type, ...]]]
 
+    _names: ClassVar[tuple[str, ...]]
+
     def body(self) -> list[Any]:
-        return [getattr(self, f.name) for f in fields(self)]  # type: ignore[arg-type]
+        return [getattr(self, n) for n in self._names]
 
 
 _NONE = type(None)
@@ -90,6 +91,7 @@ def _message(op: str, **types: tuple[type, ...]):  # type: ignore[no-untyped-def
         cls = dataclass(slots=True)(cls)
         cls.op = op  # type: ignore[attr-defined]
         cls._types = types  # type: ignore[attr-defined]
+        cls._names = tuple(types)  # type: ignore[attr-defined]
         assert [f.name for f in fields(cls)] == list(types), cls
         return cls
 
@@ -282,7 +284,7 @@ class Codec:
         self.max_bytes = max_bytes
 
     def _mac(self, payload: bytes) -> bytes:
-        return hmac.new(self._key, payload, hashlib.sha256).digest()
+        return hmac.digest(self._key, payload, "sha256")
 
     def encode(self, msg: Message, seq: int) -> list[bytes]:
         payload = msgpack.packb([PROTOCOL_VERSION, msg.op, seq, msg.body()], use_bin_type=True)

@@ -51,6 +51,32 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+_MAX_CACHED_VIEWS = 1024
+
+
+class _Views:
+    """Caches tensor views of a segment by (offset, dtype, shape).
+
+    A training loop asks for the same views every step; building one costs three
+    tensor ops, so the hot path reuses them instead.
+    """
+
+    __slots__ = ("u8", "_cache")
+
+    def __init__(self, u8: torch.Tensor) -> None:
+        self.u8 = u8
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def view(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+        key = (offset, dtype, tuple(shape))
+        v = self._cache.get(key)
+        if v is None:
+            if len(self._cache) >= _MAX_CACHED_VIEWS:
+                self._cache.clear()
+            v = self._cache[key] = tensor_view(self.u8, offset, dtype, shape)
+        return v
+
+
 def tensor_view(u8: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
     """A tensor of ``dtype``/``shape`` over bytes ``[offset, offset + nbytes)`` of ``u8``."""
     numel = 1
@@ -122,6 +148,7 @@ class Segment:
             raise
         os.close(fd)
         self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
+        self.views = _Views(self.u8)
 
     def ref(self) -> list:
         """The ``[name, size]`` reference sent in messages."""
@@ -144,7 +171,7 @@ class Segment:
 class Mapped:
     """A worker-side mapping of a segment created by the coordinator."""
 
-    __slots__ = ("name", "size", "mmap", "u8")
+    __slots__ = ("name", "size", "mmap", "u8", "views")
 
     def __init__(self, directory: str, name: str, size: int) -> None:
         if not _NAME.match(name) or not str(os.getuid()) == name.split("-")[1]:
@@ -159,6 +186,7 @@ class Mapped:
         self.name = name
         self.size = size
         self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
+        self.views = _Views(self.u8)
 
 
 def attach(directory: str, ref: list, current: Mapped | None = None) -> Mapped:

@@ -178,7 +178,7 @@ class Replica:
         tensors: list[torch.Tensor] = []
         leaves: list[torch.Tensor | None] = []
         for meta in msg.tensors:
-            t = read(inp.u8, meta)
+            t = read(inp.views, meta)
             if msg.grad and meta[3]:
                 t = t.detach().requires_grad_(True)
                 leaves.append(t)
@@ -208,7 +208,7 @@ class Replica:
             self.unfetched[msg.call] = (outs, msg.grad)
             return P.ForwardDone(msg.call, spec, [], placer.offset)
         out_seg = self.segs["out"]
-        metas = [Placer.write(out_seg.u8, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
+        metas = [Placer.write(out_seg.views, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
         self.stage = "idle"
         return P.ForwardDone(msg.call, spec, metas, 0)
 
@@ -216,7 +216,7 @@ class Replica:
         outs, grad = self.unfetched.pop(msg.call)
         seg = self._seg("out", msg.outputs)
         placer = Placer()
-        metas = [Placer.write(seg.u8, placer.reserve(t), t, grad and t.requires_grad) for t in outs]
+        metas = [Placer.write(seg.views, placer.reserve(t), t, grad and t.requires_grad) for t in outs]
         return P.ForwardDone(msg.call, None, metas, 0)
 
     # ---------------------------------------------------------------- backward
@@ -235,7 +235,7 @@ class Replica:
         for t, meta in zip(call.outputs, msg.grad_tensors):
             if meta is not None and t.requires_grad:
                 roots.append(t)
-                grads.append(read(gseg.u8, meta))
+                grads.append(read(gseg.views, meta))
         for p in self.params:
             p.grad = None
         if roots:
@@ -258,7 +258,7 @@ class Replica:
             off = placer.reserve(leaf.grad)
             if placer.offset > msg.input_grads[1]:
                 raise RuntimeError("input-gradient segment too small (coordinator bug)")
-            metas.append(Placer.write(giseg.u8, off, leaf.grad))
+            metas.append(Placer.write(giseg.views, off, leaf.grad))
             leaf.grad = None
         self.stage = "idle"
         return P.BackwardDone(msg.call, bytes(mask), metas)
