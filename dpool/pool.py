@@ -123,10 +123,11 @@ def _signal_name(returncode: int) -> str | None:
 
 
 class _Worker:
-    __slots__ = ("index", "device", "proc", "pidfd", "pid", "stderr_tail", "threads", "alive", "seq_in")
+    __slots__ = ("index", "device", "proc", "pidfd", "pid", "stderr_tail", "threads", "alive", "seq_in", "ident")
 
     def __init__(self, index: int, device: str) -> None:
         self.index = index
+        self.ident = b"w%d" % index
         self.device = device
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
         self.threads: list[threading.Thread] = []
@@ -336,20 +337,19 @@ class Pool:
     def _send(self, idx: int, msg: P.Message) -> None:
         w = self.workers[idx]
         self._seq_out += 1
-        frames = self.codec.encode(msg, self._seq_out)
+        frame = self.codec.encode(msg, self._seq_out)
         try:
-            self._sock.send_multipart([b"w%d" % idx] + frames)
+            self._sock.send(w.ident, zmq.SNDMORE)
+            self._sock.send(frame)
         except zmq.ZMQError as exc:
             self._raise_dead(w, f"sending {msg.op}", detail=f" (send failed: {exc})")
         self._pending[idx] += 1
 
     def _drain(self) -> list[tuple[int, P.Message]]:
         out = []
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return out
+        sock = self._sock
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             ident, body = frames[0], frames[1:]
             idx = int(ident[1:]) if ident[:1] == b"w" and ident[1:].isdigit() else -1
             if not 0 <= idx < len(self.workers):
@@ -360,6 +360,7 @@ class Pool:
                 raise ProtocolError(f"replayed or reordered message from {w.where()} (seq {seq} ≤ {w.seq_in})")
             w.seq_in = seq
             out.append((idx, msg))
+        return out
 
     def _wait(self, need: set[int], stage: str, timeout: float) -> dict[int, P.Message]:
         replies: dict[int, P.Message] = {}
@@ -472,7 +473,7 @@ class Pool:
             for w in self.workers:
                 if w.alive and getattr(w, "proc", None) is not None and w.proc.poll() is None and not self._in_round:
                     try:
-                        self._sock.send_multipart([b"w%d" % w.index] + self.codec.encode(P.Shutdown(), self._seq_out + 1), zmq.NOBLOCK)
+                        self._sock.send_multipart([w.ident, self.codec.encode(P.Shutdown(), self._seq_out + 1)], zmq.NOBLOCK)
                         self._seq_out += 1
                     except zmq.ZMQError:
                         pass

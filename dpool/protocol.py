@@ -1,8 +1,10 @@
 """The wire protocol between the coordinator and its workers, in one place.
 
-A control message is two ZeroMQ frames::
+A control message is one ZeroMQ frame (plus the routing identity a ROUTER adds)::
 
-    [ mac (32 bytes, HMAC-SHA256 of payload) | payload (msgpack) ]
+    mac (32 bytes, HMAC-SHA256 of payload) ‖ payload (msgpack)
+
+One frame rather than two saves a send and a receive per message on the hot path.
 
 The payload is a msgpack array ``[version, op, seq, body]`` where ``body`` is
 the list of the message's fields in declaration order. Tensor bytes never
@@ -286,15 +288,16 @@ class Codec:
     def _mac(self, payload: bytes) -> bytes:
         return hmac.digest(self._key, payload, "sha256")
 
-    def encode(self, msg: Message, seq: int) -> list[bytes]:
+    def encode(self, msg: Message, seq: int) -> bytes:
         payload = msgpack.packb([PROTOCOL_VERSION, msg.op, seq, msg.body()], use_bin_type=True)
-        return [self._mac(payload), payload]
+        return self._mac(payload) + payload
 
     def decode(self, frames: list[bytes]) -> tuple[int, Message]:
         """Authenticate, then decode. Raises :class:`ProtocolError` / :class:`AuthError`."""
-        if len(frames) != 2:
-            raise ProtocolError(f"expected 2 frames (mac, payload), got {len(frames)}")
-        mac, payload = frames
+        if len(frames) != 1:
+            raise ProtocolError(f"expected 1 frame (mac + payload), got {len(frames)}")
+        frame = frames[0]
+        mac, payload = frame[:MAC_SIZE], frame[MAC_SIZE:]
         if len(payload) > self.max_bytes:
             raise ProtocolError(f"message of {len(payload)} bytes exceeds the limit of {self.max_bytes}")
         if len(mac) != MAC_SIZE or not hmac.compare_digest(self._mac(payload), mac):

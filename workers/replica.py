@@ -73,6 +73,7 @@ class Replica:
         self.segs: dict[str, Mapped] = {}
         self.calls: dict[int, _Call] = {}
         self.unfetched: dict[int, tuple[list[torch.Tensor], bool]] = {}
+        self._to_release: list[int] = []
         self._training = b""
         self._requires_grad = b""
         self._handlers = {
@@ -165,10 +166,17 @@ class Replica:
                 p.requires_grad_(bool(flag))
             self._requires_grad = requires_grad
 
+    def after_reply(self) -> None:
+        """Work kept off the critical path: runs after the reply is sent."""
+        if self._to_release:
+            for c in self._to_release:
+                self.calls.pop(c, None)
+                self.unfetched.pop(c, None)
+            self._to_release = []
+
     def forward(self, msg: P.Forward) -> P.Message:
-        for c in msg.release:
-            self.calls.pop(c, None)
-            self.unfetched.pop(c, None)
+        if msg.release:
+            self._to_release = msg.release  # freeing graphs can wait until the reply is out
         self.stage = f"running forward on shard {msg.shard}"
         inp = self._seg("in", msg.inputs)
         self._seg("out", msg.outputs)

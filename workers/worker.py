@@ -103,7 +103,7 @@ def main() -> None:
     def send(msg: P.Message) -> None:
         nonlocal seq_out
         seq_out += 1
-        sock.send_multipart(codec.encode(msg, seq_out))
+        sock.send(codec.encode(msg, seq_out))
 
     send(P.Hello(index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
     while True:
@@ -125,6 +125,7 @@ def main() -> None:
         except BaseException as exc:  # the model's error travels back as strings
             reply = _failed(replica.stage, exc)
         send(reply)
+        replica.after_reply()
         if msg.op == "init":
             # torch's import left ~10^5 objects; freezing them keeps every later GC pass short.
             gc.collect()
