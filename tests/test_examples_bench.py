@@ -1,0 +1,46 @@
+"""The examples and the benchmark run (smoke mode), so they never rot."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_compare_dataparallel_example_shows_worker_prints():
+    res = _run(["examples/compare_dataparallel.py", "--workers", "2"])
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "In Model: input size torch.Size([30, 5])" in out  # DataParallel on CPU: one module
+    assert "[dpool worker 0] \tIn Model: input size torch.Size([15, 5])" in out
+    assert "[dpool worker 1] \tIn Model: input size torch.Size([15, 5])" in out
+    assert "[dpool worker 0] \tIn Model: input size torch.Size([5, 5])" in out  # last batch of 10
+
+
+def test_train_cnn_example_learns():
+    res = _run(["examples/train_cnn.py", "--epochs", "2", "--train-size", "1024", "--batch-size", "128",
+                "--workers", "2"])
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    losses = [float(l.split("loss ")[1].split(",")[0]) for l in lines if l.startswith("epoch ")]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert any(l.startswith("throughput:") and "samples/s (dpool)" in l for l in lines)
+
+
+def test_benchmark_smoke(tmp_path):
+    res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe,mlp", "--out", str(tmp_path)], timeout=400)
+    assert res.returncode == 0, res.stderr
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    for w in ("probe", "mlp"):
+        setups = data["workloads"][w]["setups"]
+        assert set(setups) == {"single", "dp", "ddp", "dpool", "ideal"}
+        assert all(v["samples_per_s"] > 0 for v in setups.values())
+    assert (tmp_path / "smoke.png").stat().st_size > 0
+    assert "| probe |" in res.stdout
