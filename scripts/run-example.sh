@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up dpool if needed, then run the main example (extra arguments go to it):
+#   bash scripts/run-example.sh                      # CNN training with dpool
+#   bash scripts/run-example.sh --mode single        # the same without dpool
+set -euo pipefail
+# shellcheck source=setup.sh
+. "$(dirname "$0")/setup.sh"
+python examples/train_cnn.py "$@"
