@@ -28,9 +28,9 @@ from ._autograd import Bridge, CallState
 from ._layout import Layout
 from ._tensors import Placer, dtype_name, nbytes, read
 from .config import Config
-from .errors import RemoteError, WorkerStartError, remote_error
+from .errors import RemoteError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
 from .pool import Pool
-from .shm import Segment, standalone_view, sweep
+from .shm import Segment, check_free, standalone_view, sweep
 
 __all__ = ["Runtime"]
 
@@ -77,7 +77,7 @@ class Runtime:
     """
 
     def __init__(self, module: torch.nn.Module, devices: Sequence[str], dim: int, config: Config,
-                 worker_threads: int) -> None:
+                 worker_threads: int, max_restarts: int = 0) -> None:
         self.module = module
         self.dim = dim
         self.config = config
@@ -106,6 +106,8 @@ class Runtime:
         self._regions: list[dict[int, tuple[Segment, int, int]]] = [{} for _ in range(self.n)]
         self._io = [{r: _IO() for r in ("in", "out", "gout", "gin")} for _ in range(self.n)]
         self._closed = False
+        self.restarts_left = max_restarts
+        self._epoch_call = 0  # graphs of calls up to this id were lost in a worker restart
         self.pool = Pool(devices, config, worker_threads)
         try:
             self._start()
@@ -116,7 +118,10 @@ class Runtime:
     # ------------------------------------------------------------------ start
     def _start(self) -> None:
         pool, layout = self.pool, self.layout
-        self.master = pool.new_segment(layout.size, min_size=64)
+        # Workers map the parameters through an inherited fd, so the name can go at once
+        # (and a respawned worker can still map them).
+        self.master = pool.new_segment(layout.size, min_size=64, keep_fd=True)
+        self.master.unlink()
         self.param_views = []
         for p, off in zip(self.params, layout.param_offsets):
             v = standalone_view(self.master.mmap, off, p.dtype, p.shape)
@@ -133,6 +138,8 @@ class Runtime:
             for b, v in zip(self.buffers, self.buffer_views):
                 b.data = v
         self._ptrs = [p.data_ptr() for p in self.params] + [b.data_ptr() for b in self.buffers]
+        assert self.master.fd is not None
+        pool.start([self.master.fd])
         self.states = [pool.new_segment(layout.size, min_size=64) for _ in range(self.n)]
         ids: dict[int, tuple] = {}
         for i, p in enumerate(self.params):
@@ -144,14 +151,25 @@ class Runtime:
             _Pickler(buf, ids).dump(self.module)
         except Exception as exc:
             raise TypeError(f"dpool could not pickle the model to ship it to the workers: {exc}") from exc
+        self._model_bytes = buf.getvalue()
+        self._init_workers(range(self.n))
+        self._module_list = list(self.module.modules())
+
+    def _init_workers(self, indices: Any) -> None:
+        """Ship the model to ``indices`` and wait until their replicas are built."""
+        pool, layout = self.pool, self.layout
         pl = Layout.wire(self.params, layout.param_offsets, True)
         bl = Layout.wire(self.buffers, layout.buffer_offsets, False)
         msgs = {
-            i: P.Init(buf.getvalue(), [p for p in sys.path if isinstance(p, str)], self.master.ref(),
+            i: P.Init(self._model_bytes, [p for p in sys.path if isinstance(p, str)], self.master.fd_ref(),
                       self.states[i].ref(), pl, bl, pool.threads)
-            for i in range(self.n)
+            for i in indices
         }
-        replies = pool.request(msgs, "loading the model", timeout=self.config.startup_timeout_s)
+        try:
+            replies = pool.request(msgs, "loading the model", timeout=self.config.startup_timeout_s)
+        except (WorkerDiedError, WorkerTimeoutError) as exc:
+            pool.break_pool(str(exc))
+            raise WorkerStartError(f"{exc}\nThe worker crashed while unpickling the model; no pool was started.") from None
         for i, r in sorted(replies.items()):
             if isinstance(r, P.Failed):
                 w = pool.workers[i]
@@ -165,11 +183,51 @@ class Runtime:
         self._grad_slots = [
             [st.u8[start:end].view(dtype) for dtype, start, end, _ in self.layout.param_groups] for st in self.states
         ]
-        self._module_list = list(self.module.modules())
         b = self.layout.buffer_range
         if b is not None:
             self._master_buffers = self.master.u8[b[0]:b[1]]
             self._first_buffers = self.states[0].u8[b[0]:b[1]]
+
+    def _request(self, msgs: dict[int, P.Message], stage: str) -> dict[int, P.Message]:
+        """``pool.request`` that, on a dead or hung worker, restarts it (``max_restarts``) or breaks the pool."""
+        try:
+            return self.pool.request(msgs, stage)
+        except (WorkerDiedError, WorkerTimeoutError) as exc:
+            dead = getattr(exc, "workers", None) or [exc.worker]
+            if self.restarts_left >= len(dead):
+                self.restarts_left -= len(dead)
+                try:
+                    self._restart(dead)
+                except BaseException as again:
+                    self.pool.break_pool(str(again))
+                    exc.args = (f"{exc.args[0]} Restarting it failed too ({again}); the pool is broken; "
+                                "the master module is unchanged (dpool.unwrap(model) returns it).",)
+                    raise exc from again
+                exc.restarted = True  # type: ignore[attr-defined]
+                exc.args = (f"{exc.args[0]} Worker(s) {dead} were restarted and re-synced from the master "
+                            f"({self.restarts_left} restart(s) left): the master module is unchanged and the next "
+                            "call runs on the restarted pool.",)
+                raise
+            self.pool.break_pool(str(exc))
+            exc.args = (f"{exc.args[0]} The pool is broken; the master module is unchanged (dpool.unwrap(model) "
+                        "returns it; pass max_restarts=K to dpool.wrap to respawn workers instead).",)
+            raise
+
+    def _restart(self, indices: list[int]) -> None:
+        self.pool.respawn(indices)
+        for i in indices:
+            self.states[i] = self.pool.new_segment(self.layout.size, min_size=64)
+            self._grad_slots[i] = [self.states[i].u8[a:b].view(dt) for dt, a, b, _ in self.layout.param_groups]
+            self._io[i] = {r: _IO() for r in ("in", "out", "gout", "gin")}
+            self._regions[i] = {}
+        if 0 in indices and self.layout.buffer_range is not None:
+            a, b = self.layout.buffer_range
+            self._first_buffers = self.states[0].u8[a:b]
+        # Graphs kept by the dead worker are gone: calls made so far can no longer be backpropagated.
+        self._epoch_call = self._next_call
+        self._release.update(self._live)
+        self._live.clear()
+        self._init_workers(indices)
 
     # ------------------------------------------------------------------ helpers
     def _ensure(self, w: int, role: str, nbytes_: int) -> Segment:
@@ -179,6 +237,15 @@ class Runtime:
             want = max(nbytes_, _MIN_IO, 2 * seg.size if seg is not None else 0)
             slot.seg = seg = self.pool.new_segment(want)
         return seg
+
+    def _input_growth(self, w: int, need: int) -> int:
+        """Bytes of new segment ``_input_region(w, need)`` will create (0 if it fits)."""
+        seg = self._io[w]["in"].seg
+        start = max((end for rseg, _, end in self._regions[w].values() if rseg is seg), default=0)
+        if seg is not None and start + need <= seg.size:
+            return 0
+        want = max(need, _MIN_IO, 2 * seg.size if seg is not None else 0)
+        return 1 << (want - 1).bit_length()
 
     def _input_region(self, w: int, need: int) -> tuple[Segment, int]:
         seg = self._io[w]["in"].seg
@@ -266,28 +333,42 @@ class Runtime:
         msgs: dict[int, P.Message] = {}
         spans: list[tuple[Segment, int, int]] = []
         gin_sizes = []
+        layouts = []
+        grow = 0
         for s in range(k):
             placer = Placer()
             offs = [placer.reserve(t) for t in shards[s]]
-            seg, start = self._input_region(s, placer.offset)
-            metas = [Placer.write(seg.views, start + o, t, r) for o, t, r in zip(offs, shards[s], rg)]
-            spans.append((seg, start, start + placer.offset))
-            gin = Placer()
-            for t, r in zip(shards[s], rg):
-                if r:
-                    gin.reserve(t)
-            gin_sizes.append(gin.offset)
-            out = self._ensure(s, "out", 0)
-            msgs[s] = P.Forward(call, pool.step, grad, training, requires_grad, self.layout.buffer_range is not None,
-                                seg.ref(), out.ref(), spec, metas, s, autocast, release)
+            layouts.append((offs, placer.offset))
+            grow += self._input_growth(s, placer.offset)
+        if grow:
+            check_free(self.config.shm_dir, grow)  # all shards' new segments, before creating any
         try:
-            replies = pool.request(msgs, "running forward")
+            for s in range(k):
+                offs, need = layouts[s]
+                seg, start = self._input_region(s, need)
+                metas = [Placer.write(seg.views, start + o, t, r) for o, t, r in zip(offs, shards[s], rg)]
+                spans.append((seg, start, start + need))
+                gin = Placer()
+                for t, r in zip(shards[s], rg):
+                    if r:
+                        gin.reserve(t)
+                gin_sizes.append(gin.offset)
+                out = self._ensure(s, "out", 0)
+                msgs[s] = P.Forward(call, pool.step, grad, training, requires_grad,
+                                    self.layout.buffer_range is not None, seg.ref(), out.ref(), spec, metas, s,
+                                    autocast, release)
+        except BaseException:
+            pool.unlink_segments()  # segments made for this call were never announced to a worker
+            self._release.update(release)
+            raise
+        try:
+            replies = self._request(msgs, "running forward")
             pool.unlink_segments()
             self._raise_failures(replies, "forward")
             fetch = {s: r.need for s, r in replies.items() if r.need}
             if fetch:
                 fmsgs = {s: P.Fetch(call, self._ensure(s, "out", need).ref()) for s, need in fetch.items()}
-                fetched = pool.request(fmsgs, "returning outputs")
+                fetched = self._request(fmsgs, "returning outputs")
                 pool.unlink_segments()
                 self._raise_failures(fetched, "forward")
                 for s, r in fetched.items():
@@ -331,6 +412,11 @@ class Runtime:
     def backward(self, state: CallState, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         pool = self.pool
         pool.check_usable()
+        if state.call <= self._epoch_call:
+            raise RuntimeError(
+                "the autograd graph of this forward was lost when a dpool worker was restarted; "
+                "run the forward again (the master module is unchanged)"
+            )
         release = self._collect_released()
         if release:
             self._release.update(release)  # piggybacked on the next forward
@@ -343,7 +429,7 @@ class Runtime:
             gmetas = [Placer.write(seg.views, o, g) if g is not None else None for o, g in zip(offs, pieces)]
             gin = self._ensure(s, "gin", state.gin_sizes[s])
             msgs[s] = P.Backward(state.call, pool.step, seg.ref(), gmetas, gin.ref())
-        replies = pool.request(msgs, "running backward")
+        replies = self._request(msgs, "running backward")
         pool.unlink_segments()
         self._raise_failures(replies, "backward")
         # Sum the workers' gradient slots, one dense op per dtype group.
@@ -370,7 +456,7 @@ class Runtime:
     # ------------------------------------------------------------------ misc
     def call_workers(self, fn: Any) -> list[Any]:
         payload = cloudpickle.dumps(fn)
-        replies = self.pool.request({i: P.Call(payload) for i in range(self.n)}, "running a function")
+        replies = self._request({i: P.Call(payload) for i in range(self.n)}, "running a function")
         self._raise_failures(replies, "worker_states")
         return [cloudpickle.loads(replies[i].result) for i in range(self.n)]
 
@@ -386,6 +472,9 @@ class Runtime:
                     if t.data_ptr() == v.data_ptr():
                         t.data = v.clone()
         self.pool.close()
+        master = getattr(self, "master", None)
+        if master is not None:
+            master.close_fd()
         self.param_views = self.buffer_views = []
         self._io = []
         self._live.clear()

@@ -40,7 +40,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def check_tensor(t: torch.Tensor, what: str) -> None:
     """Raise ``TypeError`` for tensors dpool cannot move through shared memory."""
-    if type(t) in _PLAIN and t.layout == torch.strided and t.dtype in _NAMES and not t.is_nested:
+    if type(t) in _PLAIN and t.layout == torch.strided and t.dtype in _NAMES and not (t.is_nested or t.is_meta):
         return  # fast path; quantized dtypes are not in _NAMES
     if t.layout != torch.strided:
         raise TypeError(f"{what}: dpool only transports dense (strided) tensors, got layout {t.layout}; "
@@ -50,7 +50,7 @@ def check_tensor(t: torch.Tensor, what: str) -> None:
     if t.is_quantized:
         raise TypeError(f"{what}: quantized tensors are not supported by dpool; dequantize() them first")
     if t.device.type == "meta":
-        raise TypeError(f"{what}: meta tensors have no data to transport")
+        raise TypeError(f"{what}: meta tensors have no data for dpool to transport; materialize them first (e.g. module.to_empty(device=\"cpu\") and initialize)")
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"{what}: tensor subclass {type(t).__name__} is not supported by dpool; "
                         "pass a plain torch.Tensor (e.g. via .as_subclass(torch.Tensor))")

@@ -62,6 +62,10 @@ class DataParallel(nn.Module):
             concatenated. Default: 0.
         worker_threads (int, optional): torch threads per worker. Default:
             physical cores divided by the number of workers (at least 1).
+        max_restarts (int): how many worker deaths or hangs to survive. The
+            failed call still raises (and changes nothing); the worker is
+            respawned and re-synced from the master, and the next call works.
+            Default: 0, a dead worker breaks the pool (every later call raises).
         coordinator_threads (int, optional): torch threads of this process
             while the pool is open, so that it does not compete with the
             workers for cores; restored by :meth:`close`. ``None`` leaves the
@@ -95,6 +99,7 @@ class DataParallel(nn.Module):
         *,
         worker_threads: int | None = None,
         coordinator_threads: int | None = 1,
+        max_restarts: int = 0,
         config: Config | None = None,
         **options: Any,
     ) -> None:
@@ -123,7 +128,9 @@ class DataParallel(nn.Module):
         from ._runtime import Runtime
 
         self._runtime: Runtime | None = None
-        self._runtime = Runtime(module, devices, dim, cfg, threads)
+        if not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
+        self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts)
         if coordinator_threads is not None:
             torch.set_num_threads(coordinator_threads)
         else:

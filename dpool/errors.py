@@ -181,10 +181,13 @@ def remote_error(
                 cls = RemoteError
             _REMOTE_CLASSES[base] = cls
     try:
-        err = cls.__new__(cls)  # bypass user __init__ signatures
-        Exception.__init__(err, text)
-    except Exception:  # pragma: no cover - exotic exception types
-        err = RemoteError(text)
+        err = cls(text)
+    except Exception:
+        try:
+            err = cls.__new__(cls)  # a user type whose __init__ takes other arguments
+            Exception.__init__(err, text)
+        except Exception:  # exotic exception types: keep the dpool type at least
+            err = RemoteError(text)
     err.worker, err.device, err.pid, err.step = worker, device, pid, step
     err.ename, err.remote_traceback = ename, tb
     err.__cause__ = _RemoteTraceback(tb)

@@ -68,6 +68,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Sequence
 
@@ -125,9 +126,10 @@ def _signal_name(returncode: int) -> str | None:
 class _Worker:
     __slots__ = ("index", "device", "proc", "pidfd", "pid", "stderr_tail", "threads", "alive", "seq_in", "ident")
 
-    def __init__(self, index: int, device: str) -> None:
+    def __init__(self, index: int, device: str, generation: int = 0) -> None:
         self.index = index
-        self.ident = b"w%d" % index
+        # A respawned worker gets a new identity: replies are matched to the current process only.
+        self.ident = b"w%d.%d" % (index, generation)
         self.device = device
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
         self.threads: list[threading.Thread] = []
@@ -174,6 +176,8 @@ class Pool:
         self._in_round = False
         self._segments: list[Segment] = []
         self._seg_counter = 0
+        self.rejected = 0  # control messages dropped by authentication or validation
+        self._generation = 0
         self._key = secrets.token_bytes(32)
         self.codec = P.Codec(self._key, config.max_message_bytes)
         self._seq_out = 0
@@ -188,30 +192,76 @@ class Pool:
         self.sock_path = os.path.join(runtime_dir(), self.prefix + ".sock")
         self.endpoint = "ipc://" + self.sock_path
         self._poller = zmq.Poller()
+        self._pass_fds: list[int] = []
         # Runs at GC of an unreferenced pool and at interpreter exit; holds no reference to self.
         self._finalizer = weakref.finalize(self, _reap, self.workers, self._segments)
         try:
             self._sock.bind(self.endpoint)
             os.chmod(self.sock_path, 0o600)
             self._poller.register(self._sock, zmq.POLLIN)
-            # Heartbeat slots: one int64 (CLOCK_MONOTONIC ns) per worker.
-            self.control = self.new_segment(8 * max(1, len(self.devices)), min_size=4096)
+            # Heartbeat slots: one int64 (CLOCK_MONOTONIC ns) per worker, passed to workers by fd.
+            self.control = self.new_segment(8 * max(1, len(self.devices)), min_size=4096, keep_fd=True)
+            self.control.unlink()
             self.control.u8[: 8 * len(self.devices)].view(torch.int64).fill_(time.monotonic_ns())
             self._beats = memoryview(self.control.mmap).cast("q")  # plain ints: no tensor op per check
-            for w in self.workers:
-                self._spawn(w)
-            self._await_hello()
         except BaseException:
             self.close()
             raise
 
+    def start(self, fds: Sequence[int] = ()) -> None:
+        """Spawn every worker, passing it ``fds`` (plus the control segment), and wait for its hello."""
+        assert self.control.fd is not None
+        self._pass_fds = [self.control.fd, *fds]
+        try:
+            for w in self.workers:
+                self._spawn(w)
+            self._await_hello({w.index for w in self.workers})
+        except BaseException:
+            self.close()
+            raise
+
+    def respawn(self, indices: Sequence[int]) -> None:
+        """Replace the (dead or hung) workers ``indices`` by fresh processes; they still need ``init``."""
+        for idx in indices:
+            old = self.workers[idx]
+            self._reap_one(old)
+            self._generation += 1
+            w = _Worker(idx, old.device, self._generation)
+            self.workers[idx] = w
+            self._pending[idx] = 0
+            self._beats[idx] = time.monotonic_ns()
+            self._spawn(w)
+        self._await_hello(set(indices))
+
+    def _reap_one(self, w: _Worker) -> None:
+        proc = getattr(w, "proc", None)
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                proc.kill()
+            proc.wait()
+        w.alive = False
+        fd = getattr(w, "pidfd", None)
+        if fd is not None:
+            try:
+                self._poller.unregister(fd)
+            except KeyError:
+                pass
+            os.close(fd)
+            w.pidfd = None
+        for t in w.threads:
+            t.join(timeout=2.0)
+
     # ------------------------------------------------------------------ start
-    def new_segment(self, size: int, min_size: int = 1 << 20) -> Segment:
+    def new_segment(self, size: int, min_size: int = 1 << 20, keep_fd: bool = False) -> Segment:
         """Create a segment of at least ``size`` bytes, tracked for unlinking on close."""
         size = max(size, min_size)
         size = 1 << (size - 1).bit_length()  # grow in powers of two
         self._seg_counter += 1  # names are never reused: workers cache mappings by name
-        seg = Segment(self.config.shm_dir, f"{self.prefix}-{self._seg_counter}", size)
+        seg = Segment(self.config.shm_dir, f"{self.prefix}-{self._seg_counter}", size, keep_fd=keep_fd)
         self._segments.append(seg)
         return seg
 
@@ -237,6 +287,7 @@ class Pool:
             stderr=subprocess.PIPE,
             env=env,
             close_fds=True,
+            pass_fds=self._pass_fds,
         )
         w.pid = w.proc.pid
         w.pidfd = os.pidfd_open(w.pid)
@@ -250,11 +301,12 @@ class Pool:
             "key": self._key,
             "endpoint": self.endpoint,
             "index": w.index,
+            "ident": w.ident,
             "device": w.device,
             "ppid": os.getpid(),
             "threads": self.threads,
             "shm_dir": self.config.shm_dir,
-            "control": self.control.ref(),
+            "control": self.control.fd_ref(),
             "config": self.config.for_worker(),
         }
         assert w.proc.stdin is not None
@@ -264,9 +316,8 @@ class Pool:
         except BrokenPipeError:
             pass  # it died at start: reported by _await_hello with its stderr
 
-    def _await_hello(self) -> None:
+    def _await_hello(self, waiting: set[int]) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
-        waiting = {w.index for w in self.workers}
         while waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -279,6 +330,8 @@ class Pool:
             self._check_exits(events, stage="starting")
             if self._sock in events:
                 for idx, msg in self._drain():
+                    if idx not in waiting:
+                        continue
                     if not isinstance(msg, P.Hello):
                         raise WorkerStartError(f"{self.workers[idx].where()} sent {msg.op!r} instead of hello")
                     if msg.protocol != P.PROTOCOL_VERSION:
@@ -321,14 +374,9 @@ class Pool:
                 for idx, msg in msgs.items():
                     self._send(idx, msg)
                 return self._wait(set(msgs), stage, timeout if timeout is not None else self.config.step_timeout_s)
-            except DpoolError as exc:
-                if isinstance(exc, (WorkerDiedError, WorkerTimeoutError, ProtocolError)):
-                    self._break(str(exc))
-                raise
-            except BaseException:
-                # KeyboardInterrupt and friends: replies still owed are discarded later
-                # (see _pending), so the pool stays usable.
-                raise
+            # On WorkerDiedError / WorkerTimeoutError the caller either respawns the worker
+            # (max_restarts) or calls break_pool(). KeyboardInterrupt and friends leave the pool
+            # usable: replies still owed are discarded later (see _pending).
             finally:
                 self._in_round = False
                 if self._closed:
@@ -351,16 +399,30 @@ class Pool:
         while sock.get(zmq.EVENTS) & zmq.POLLIN:
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             ident, body = frames[0], frames[1:]
-            idx = int(ident[1:]) if ident[:1] == b"w" and ident[1:].isdigit() else -1
-            if not 0 <= idx < len(self.workers):
-                raise ProtocolError(f"message from unknown peer {ident!r}")
-            seq, msg = self.codec.decode(body)
-            w = self.workers[idx]
-            if seq <= w.seq_in:
-                raise ProtocolError(f"replayed or reordered message from {w.where()} (seq {seq} ≤ {w.seq_in})")
+            idx = self._index_of(ident)
+            try:
+                if idx < 0:
+                    raise ProtocolError(f"message from unknown peer {ident!r}")
+                seq, msg = self.codec.decode(body)
+                w = self.workers[idx]
+                if seq <= w.seq_in:
+                    raise ProtocolError(f"replayed or reordered message (seq {seq} ≤ {w.seq_in})")
+            except ProtocolError as exc:
+                # Never decoded further and never answered: a foreign or corrupted message must not be
+                # able to break the pool. Counted, and reported once per kind.
+                self.rejected += 1
+                if self.rejected <= 3:
+                    warnings.warn(f"dpool dropped a control message from {ident!r}: {exc}", RuntimeWarning, stacklevel=2)
+                continue
             w.seq_in = seq
             out.append((idx, msg))
         return out
+
+    def _index_of(self, ident: bytes) -> int:
+        for w in self.workers:
+            if w.ident == ident:
+                return w.index
+        return -1
 
     def _wait(self, need: set[int], stage: str, timeout: float) -> dict[int, P.Message]:
         replies: dict[int, P.Message] = {}
@@ -409,8 +471,12 @@ class Pool:
         if not dead:
             return
         time.sleep(0.05)  # let simultaneous deaths land, so one error names them all
+        if self._closed:
+            raise PoolBrokenError(f"the pool was closed (from another thread) while {stage} at step {self.step}")
         readable, _, _ = select.select([w.pidfd for w in self.workers if w.alive], [], [], 0)
         dead = [w for w in self.workers if w.alive and w.pidfd in readable]
+        if not dead:
+            return
         for w in dead:
             w.alive = False
             w.proc.wait()
@@ -439,7 +505,6 @@ class Pool:
         text = f"{w.where()} {how} while {stage} at step {self.step}{detail}.{hint}"
         if others:
             text += " Also dead: " + ", ".join(f"{o.where()} ({_signal_name(o.proc.returncode) or 'exit ' + str(o.proc.returncode)})" for o in others) + "."
-        text += " The pool is broken; the master module is unchanged (dpool.unwrap(model) returns it)."
         if tail:
             text += "\n--- last stderr of worker %d ---\n%s" % (w.index, tail[-4000:])
         cls = WorkerStartError if stage == "starting" else WorkerDiedError
@@ -462,7 +527,8 @@ class Pool:
         except ProcessLookupError:
             pass
 
-    def _break(self, reason: str) -> None:
+    def break_pool(self, reason: str) -> None:
+        """Mark the pool broken (every later call raises at once) and kill the workers."""
         if self._broken is None:
             self._broken = reason.split("\n", 1)[0]
         self._terminate_workers(grace=0.0)
@@ -507,6 +573,17 @@ class Pool:
         for w in self.workers:
             for t in w.threads:
                 t.join(timeout=2.0)
+        for seg in self._segments:
+            seg.unlink()
+        if not self._in_round:
+            # A round running in another thread still polls the pidfds and the socket: it releases
+            # them itself when it ends (see request()).
+            self._close_sockets()
+        self._finalizer.detach()
+
+    def _close_sockets(self) -> None:
+        """Release the fds a round polls: pidfds, the socket, the control segment's fd."""
+        for w in self.workers:
             fd = getattr(w, "pidfd", None)
             if fd is not None:
                 try:
@@ -515,13 +592,8 @@ class Pool:
                     pass
                 w.pidfd = None
         for seg in self._segments:
-            seg.unlink()
+            seg.close_fd()
         self._segments.clear()
-        if not self._in_round:
-            self._close_sockets()
-        self._finalizer.detach()
-
-    def _close_sockets(self) -> None:
         if not self._sock.closed:
             self._sock.close(linger=0)
             self._ctx.term()

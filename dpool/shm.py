@@ -51,6 +51,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def check_free(directory: str, size: int) -> None:
+    """Raise :class:`SharedMemoryError` if ``size`` bytes cannot fit in ``directory`` (before any write)."""
+    free = _free_bytes(directory)
+    if size > free:
+        raise SharedMemoryError(
+            f"dpool needs {_mib(size)} of shared memory in {directory}, but only {_mib(free)} is free. "
+            f"Use smaller batches, free some space, enlarge it (docker: --shm-size or --ipc=host), or point "
+            f"DPOOL_SHM_DIR at a larger tmpfs."
+        )
+
+
 _MAX_CACHED_VIEWS = 1024
 
 
@@ -110,19 +121,14 @@ class Segment:
         size: its size in bytes (> 0).
     """
 
-    def __init__(self, directory: str, name: str, size: int) -> None:
+    def __init__(self, directory: str, name: str, size: int, keep_fd: bool = False) -> None:
         self.directory = directory
         self.name = name
         self.size = size
         self.path = os.path.join(directory, name)
         self._linked = False
-        free = _free_bytes(directory)
-        if size > free:
-            raise SharedMemoryError(
-                f"dpool needs {_mib(size)} of shared memory in {directory}, but only {_mib(free)} is free. "
-                f"Free some space, enlarge it (docker: --shm-size or --ipc=host), or point DPOOL_SHM_DIR "
-                f"at a larger tmpfs."
-            )
+        self.fd: int | None = None
+        check_free(directory, size)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
@@ -146,9 +152,24 @@ class Segment:
             os.close(fd)
             self.unlink()
             raise
-        os.close(fd)
+        if keep_fd:
+            # Inherited by workers (pass_fds), so a respawned worker can map it after the name is gone.
+            os.set_inheritable(fd, False)
+            self.fd = fd
+        else:
+            os.close(fd)
         self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
         self.views = _Views(self.u8)
+
+    def fd_ref(self) -> list:
+        """``[fd, size]``: a reference by file descriptor (valid in workers spawned with ``pass_fds``)."""
+        assert self.fd is not None
+        return [self.fd, self.size]
+
+    def close_fd(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def ref(self) -> list:
         """The ``[name, size]`` reference sent in messages."""
@@ -173,7 +194,13 @@ class Mapped:
 
     __slots__ = ("name", "size", "mmap", "u8", "views")
 
-    def __init__(self, directory: str, name: str, size: int) -> None:
+    def __init__(self, directory: str, name: str | int, size: int) -> None:
+        if isinstance(name, int):  # an inherited file descriptor
+            self.mmap = mmap.mmap(name, size)
+            self.name, self.size = f"fd:{name}", size
+            self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
+            self.views = _Views(self.u8)
+            return
         if not _NAME.match(name) or not str(os.getuid()) == name.split("-")[1]:
             raise SharedMemoryError(f"refusing to map {name!r}: not a dpool segment of this user")
         fd = os.open(os.path.join(directory, name), os.O_RDWR)
@@ -192,7 +219,7 @@ class Mapped:
 def attach(directory: str, ref: list, current: Mapped | None = None) -> Mapped:
     """Map the segment ``ref = [name, size]``, reusing ``current`` if it is the same one."""
     name, size = ref
-    if current is not None and current.name == name:
+    if current is not None and current.name == (f"fd:{name}" if isinstance(name, int) else name):
         return current
     return Mapped(directory, name, size)
 

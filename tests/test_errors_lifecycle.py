@@ -108,27 +108,6 @@ def test_backward_exception_leaves_master_untouched(wrap):
     train_step(model, opt, batch_with(None))
 
 
-@pytest.mark.parametrize("code,how", [(102, "killed by SIGKILL"), (103, "killed by SIGSEGV"), (104, "exited with code 0")])
-def test_worker_death_is_reported_and_breaks_pool(wrap, code, how):
-    net = Faulty()
-    model = wrap(net)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    train_step(model, opt, batch_with(None))
-    before = snapshot(net, opt)
-    pid = model.pids[1]
-    with pytest.raises(dpool.WorkerDiedError) as info:
-        model(batch_with(code))
-    err = info.value
-    assert err.worker == 1 and err.pid == pid and err.step == 2
-    assert how in str(err) and f"worker 1 (cpu, pid {pid})" in str(err)
-    if code == 103:
-        assert err.signal_name == "SIGSEGV" and "Fatal Python error" in str(err)  # faulthandler output forwarded
-    assert_unchanged(before, snapshot(net, opt))
-    with pytest.raises(dpool.PoolBrokenError, match="broken"):
-        model(batch_with(None))
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in model.pids)
-
-
 def test_close_and_context_manager_leave_nothing():
     with dpool.wrap(models.make("mlp"), ["cpu", "cpu"]) as model:
         pids = model.pids

@@ -91,6 +91,8 @@ class Replica:
 
     def unlink_known(self) -> None:
         for name in self.known:
+            if name.startswith("fd:"):
+                continue
             try:
                 os.unlink(os.path.join(self.shm_dir, name))
             except OSError:

@@ -94,7 +94,7 @@ def main() -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, b"w%d" % index)
+    sock.setsockopt(zmq.ROUTING_ID, boot["ident"])
     sock.setsockopt(zmq.MAXMSGSIZE, codec.max_bytes + 1024)
     sock.connect(boot["endpoint"])
     seq_out = 0

@@ -1,0 +1,181 @@
+"""Fault scenarios, each run as a separate coordinator process by tests/test_faults.py.
+
+``python -m tests.fault_scenarios NAME '{"json": "params"}'`` prints one JSON line:
+the error raised (type, text, attributes), how long it took to detect, whether the
+master (parameters, gradients, buffers, optimizer state) is unchanged, what the next call
+did, and the workers' pids (for the outer leak check).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+from torch import nn
+
+import dpool
+from tests.helpers import assert_unchanged, snapshot
+
+
+class Victim(nn.Module):
+    """Misbehaves on the shard whose first element is a trigger code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        code = int(x[0, 0].item())
+        if code == 1:  # sleep so that the test can kill or stop us mid-forward
+            time.sleep(30)
+        elif code == 2:  # GIL-holding hang
+            sum(range(10**11))
+        elif code == 3:  # progress hang with the GIL released
+            time.sleep(3600)
+        elif code == 4:
+            bytearray(1 << 46)  # 64 TiB: MemoryError
+        elif code == 5:
+            return _Unpicklable()
+        elif code == 7:
+            import ctypes
+
+            ctypes.string_at(0)  # segfault
+        elif code == 8:
+            os._exit(0)  # "clean" exit mid-step
+        y = self.bn(self.lin(x))
+        if code == 6:
+            y = _SlowBackward.apply(y)
+        return y
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("this result cannot be pickled")
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(30)
+        return g
+
+
+def batch(code: int | None = None, shard: int = 1, n: int = 8, shards: int = 2) -> torch.Tensor:
+    """A batch whose shard ``shard`` (of ``shards`` equal shards; -1: every shard) carries ``code``."""
+    x = torch.randn(n, 4)
+    if code is not None:
+        for s in range(shards) if shard == -1 else [shard]:
+            x[(n // shards) * s, 0] = code
+    return x
+
+
+def good_step(model, opt) -> None:
+    opt.zero_grad()
+    model(batch()).pow(2).mean().backward()
+    opt.step()
+
+
+def _later(delay: float, fn) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(delay), fn()), daemon=True)
+    t.start()
+    return t
+
+
+def run(name: str, p: dict) -> dict:
+    workers = p.get("workers", 2)
+    options = {k: v for k, v in p.items() if k in ("max_restarts", "heartbeat_timeout_s", "step_timeout_s")}
+    torch.manual_seed(0)
+    net = Victim()
+    model = dpool.wrap(net, ["cpu"] * workers, **options)
+    pids = model.pids
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    good_step(model, opt)
+    before = snapshot(net, opt)
+    out: dict = {"pids": pids}
+    target = pids[p.get("victim", 1)]
+
+    def trigger() -> None:
+        if name == "sigkill_forward":
+            _later(0.5, lambda: os.kill(target, signal.SIGKILL))
+            model(batch(1))
+        elif name == "sigkill_backward":
+            y = model(batch(6))
+            # forward and backward are each transactional: the successful forward committed
+            # its BatchNorm statistics (as single-process torch does); the backward must change nothing
+            before.update(snapshot(net, opt))
+            _later(0.5, lambda: os.kill(target, signal.SIGKILL))
+            y.sum().backward()
+        elif name == "kill_all":
+            _later(0.5, lambda: [os.kill(q, signal.SIGKILL) for q in pids])
+            model(batch(1, shard=-1, n=4 * workers, shards=workers))
+        elif name == "segfault":
+            model(batch(7))
+        elif name == "exit0":
+            model(batch(8))
+        elif name == "gil_hang":
+            model(batch(2))
+        elif name == "sigstop":
+            _later(0.5, lambda: os.kill(target, signal.SIGSTOP))
+            model(batch(1))
+        elif name == "progress_hang":
+            model(batch(3))
+        elif name == "memory_error":
+            model(batch(4))
+        elif name == "result_pickling":
+            model(batch(5))
+        elif name == "sigint":
+            _later(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+            model(batch(1))
+        elif name == "close_from_thread":
+            _later(0.5, model.close)
+            model(batch(1))
+        else:
+            raise KeyError(name)
+
+    t0 = time.monotonic()
+    try:
+        trigger()
+        out["error"] = None
+    except BaseException as exc:  # noqa: BLE001 - we report whatever came out
+        out["detect_s"] = time.monotonic() - t0
+        out["error"] = type(exc).__name__
+        out["error_mro"] = [c.__name__ for c in type(exc).__mro__]
+        out["message"] = str(exc)
+        for attr in ("worker", "pid", "device", "step", "signal_name", "exitcode", "workers"):
+            if hasattr(exc, attr):
+                out[attr] = getattr(exc, attr)
+    try:
+        os.kill(target, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    try:
+        assert_unchanged(before, snapshot(net, opt))
+        out["unchanged"] = True
+    except AssertionError as exc:
+        out["unchanged"] = str(exc)
+    t0 = time.monotonic()
+    try:
+        good_step(model, opt)
+        out["next"] = "ok"
+        # after a restart the pool must still match a single-process run of the same steps
+        out["next_params_finite"] = all(torch.isfinite(q).all().item() for q in net.parameters())
+    except BaseException as exc:  # noqa: BLE001
+        out["next"] = type(exc).__name__
+    out["next_s"] = time.monotonic() - t0
+    out["pids_after"] = model.pids
+    model.close()
+    return out
+
+
+if __name__ == "__main__":
+    result = run(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
+    print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,248 @@
+"""Bad input: odd dtypes and layouts, unsupported tensors, shared memory too small, hostile messages."""
+from __future__ import annotations
+
+import os
+import pickle
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import dpool
+from dpool import protocol as P
+from dpool._tensors import DTYPES
+from dpool.errors import AuthError, ProtocolError
+
+
+class Identity(nn.Module):
+    """Returns its inputs (a parameter makes the call differentiable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, *xs):
+        return xs
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.numel() else t.reshape(-1).view(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def identity_pool():
+    model = dpool.wrap(Identity(), ["cpu", "cpu"], heartbeat_timeout_s=30.0)
+    yield model
+    model.close()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():  # the module-scoped pool is checked when it closes, below
+    yield
+
+
+def test_module_pool_leaves_nothing_after_close():
+    from tests.conftest import assert_no_leaks
+
+    model = dpool.wrap(Identity(), ["cpu", "cpu"])
+    model(torch.zeros(4, 1))
+    model.close()
+    assert_no_leaks()
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_every_dtype_round_trips_bitwise(identity_pool, name):
+    dtype = DTYPES[name]
+    high = 2 if dtype == torch.bool else 256  # a bool tensor only holds 0 and 1
+    raw = torch.randint(0, high, (6, 5 * dtype.itemsize), dtype=torch.uint8)
+    x = raw.view(dtype)  # arbitrary bit patterns, NaNs included; never through numpy
+    with torch.no_grad():
+        (y,) = identity_pool(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert torch.equal(_bits(y), _bits(x))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided_slice", "expanded", "channels_last", "offset",
+                                    "zero_dim", "zero_size", "high_rank"])
+def test_odd_layouts_round_trip(identity_pool, layout):
+    base = torch.randn(8, 6, 4, 5)
+    x = {
+        "transposed": base[:, :, 0, 0].t().contiguous().t(),
+        "strided_slice": base[:, ::2, 1],
+        "expanded": torch.randn(1, 5).expand(8, 5),
+        "channels_last": base.to(memory_format=torch.channels_last),
+        "offset": base.reshape(-1)[7:7 + 8 * 3].view(8, 3),
+        "zero_dim": torch.tensor(3.5),
+        "zero_size": torch.randn(8, 0, 3),
+        "high_rank": torch.randn(4, *([1] * 10), 2),
+    }[layout]
+    with torch.no_grad():
+        out = identity_pool(x)
+    y = out[0] if layout != "zero_dim" else out[0]
+    if layout == "zero_dim":  # nothing to split: one shard; its 0-dim output gathers to a vector
+        assert torch.equal(y, torch.tensor([3.5]))
+    else:
+        assert y.shape == x.shape and torch.equal(y, x)
+        assert y.is_contiguous()  # documented: results arrive in row-major layout
+
+
+def test_requires_grad_leaf_and_parameter_inputs(identity_pool):
+    x = torch.randn(6, 3, requires_grad=True)
+    p = nn.Parameter(torch.randn(6, 3))
+    a, b = identity_pool(x, p)
+    (a * 2 + b * 3).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0)) and torch.equal(p.grad, torch.full_like(p, 3.0))
+
+
+@pytest.mark.parametrize("kind", ["sparse", "nested", "quantized", "meta", "subclass"])
+def test_unsupported_tensors_raise_type_error(identity_pool, kind):
+    class Sub(torch.Tensor):
+        pass
+
+    x = {
+        "sparse": lambda: torch.eye(4).to_sparse(),
+        "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "quantized": lambda: torch.quantize_per_tensor(torch.ones(4, 2), 0.1, 0, torch.qint8),
+        "meta": lambda: torch.empty(4, 2, device="meta"),
+        "subclass": lambda: torch.ones(4, 2).as_subclass(Sub),
+    }[kind]()
+    with pytest.raises(TypeError, match="dpool"):
+        identity_pool(x)
+    with torch.no_grad():
+        identity_pool(torch.ones(4, 1))  # still usable
+
+
+def test_empty_batch_is_a_clear_value_error(identity_pool):
+    with pytest.raises(ValueError, match="empty batch"):
+        identity_pool(torch.zeros(0, 3))
+
+
+def test_shared_memory_too_small_is_reported_before_writing(identity_pool):
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    huge = torch.zeros(1, dtype=torch.uint8).expand(free + (1 << 30))  # no real memory behind it
+    # (split in two shards, each would fit alone: the check covers the whole call, before any segment)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(dpool.SharedMemoryError, match=r"needs .* MiB of shared memory in /dev/shm, but only .* free"):
+        with torch.no_grad():
+            identity_pool(huge)
+    assert set(os.listdir("/dev/shm")) == before  # nothing partial left
+    with torch.no_grad():
+        identity_pool(torch.ones(4, 1))
+
+
+# ---------------------------------------------------------------- protocol
+KEY = b"k" * 32
+
+
+def _frame(payload: bytes, key: bytes = KEY) -> list[bytes]:
+    import hmac
+
+    return [hmac.digest(key, payload, "sha256") + payload]
+
+
+HOSTILE = [
+    b"\xc1",  # never-used msgpack byte
+    msgpack.packb([1, "forward", 1])[:-1],  # truncated
+    msgpack.packb([1, "hello", 1, [0, 1, 1, "t", "p"]]) + b"\x00",  # trailing bytes
+    b"\xdd\xff\xff\xff\xff",  # array header claiming 2^32-1 items
+    b"\x91" * 100_000 + b"\xc0",  # 100k nesting
+    msgpack.packb([1, "hello", 1, [0, 1, 1, b"\xff\xfe".decode("latin-1"), "p"]]).replace(b"\xc3\xbf", b"\xff"),
+    msgpack.packb({1: 2}),  # int map key / not an array
+    msgpack.packb(msgpack.ExtType(42, b"x")),  # unknown ExtType
+    msgpack.packb([1, "hello", 1, ["zero", 1, 1, "t", "p"]]),  # wrong field type
+    msgpack.packb([1, "hello", 1, [0, 1]]),  # missing fields
+    msgpack.packb([1, "nope", 1, []]),  # unknown op
+    msgpack.packb([2, "hello", 1, [0, 1, 2, "t", "p"]]),  # other protocol version
+    msgpack.packb([1, "hello", -5, [0, 1, 1, "t", "p"]]),  # bad sequence number
+]
+
+
+@pytest.mark.parametrize("payload", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_payloads_are_protocol_errors(payload):
+    codec = P.Codec(KEY)
+    with pytest.raises(ProtocolError):
+        codec.decode(_frame(payload))
+
+
+def test_wrong_key_missing_mac_and_oversize():
+    codec = P.Codec(KEY, max_bytes=1024)
+    good = msgpack.packb([1, "shutdown", 1, []])
+    assert isinstance(codec.decode(_frame(good))[1], P.Shutdown)
+    with pytest.raises(AuthError):
+        codec.decode(_frame(good, key=b"x" * 32))
+    with pytest.raises(AuthError):
+        codec.decode([good])
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        codec.decode(_frame(b"\x00" * 2048))
+    with pytest.raises(ProtocolError, match="frame"):
+        codec.decode([b"a", b"b"])
+    with pytest.raises(ProtocolError, match="protocol 2"):
+        codec.decode(_frame(msgpack.packb([2, "shutdown", 1, []])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_decode_authenticated_garbage(payload):
+    """Even with a valid MAC, nothing but ProtocolError escapes decode()."""
+    try:
+        P.Codec(KEY).decode(_frame(payload))
+    except ProtocolError:
+        pass
+
+
+_leaf = st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8)
+_obj = st.recursive(_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=4), c, max_size=4),
+                    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 3), st.sampled_from(sorted(P.MESSAGES)), st.integers(-2, 2**40), _obj)
+def test_fuzz_decode_structured(version, op, seq, body):
+    try:
+        P.Codec(KEY).decode(_frame(msgpack.packb([version, op, seq, body])))
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=256), st.binary(min_size=32, max_size=32))
+def test_fuzz_unauthenticated_frames_never_decoded(payload, mac):
+    with pytest.raises(AuthError):
+        P.Codec(KEY).decode([mac + payload])
+
+
+def test_foreign_peer_cannot_break_or_feed_the_pool(tmp_path):
+    """A process without the key connects to the pool's socket: its messages (a canary pickle
+    among them) are dropped unread, and the pool keeps training."""
+    canary = tmp_path / "canary"
+
+    class Canary:
+        def __reduce__(self):
+            return (open, (str(canary), "w"))
+
+    model = dpool.wrap(Identity(), ["cpu", "cpu"])
+    try:
+        pool = model._runtime.pool
+        ctx = zmq.Context()
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.setsockopt(zmq.ROUTING_ID, pool.workers[0].ident)  # even claiming a worker's identity
+        rogue.connect(pool.endpoint)
+        evil = pickle.dumps(Canary())
+        payload = msgpack.packb([1, "call_done", 99, [evil]])
+        for frame in ([b"\x00" * 32 + payload], [payload], [b"junk", b"more"]):
+            rogue.send_multipart(frame)
+        x = torch.randn(6, 2)
+        for _ in range(3):
+            with torch.no_grad():
+                assert torch.equal(model(x)[0], x)
+        assert not canary.exists()
+        rogue.close()
+        ctx.term()
+    finally:
+        model.close()
+    assert not canary.exists()

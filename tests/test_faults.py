@@ -1,0 +1,201 @@
+"""The reliability matrix (docs/reliability.md): each fault in a separate coordinator process.
+
+Every test asserts: bounded time (hard subprocess timeout, stacks dumped on a hang), a typed
+error naming the worker, device, pid and step, no leaked processes or segments, a master
+unchanged by the failed step, and an explicit pool state afterwards (broken, or restarted
+with ``max_restarts``).
+"""
+from __future__ import annotations
+
+import json
+import signal
+
+import psutil
+import pytest
+
+from tests.conftest import wait_for
+from tests.helpers import run_script
+
+pytestmark = pytest.mark.slow
+
+
+def fault(name: str, **params) -> dict:
+    code = f"from tests.fault_scenarios import run; import json; print('RESULT ' + json.dumps(run({name!r}, {params!r})))"
+    res = run_script(code, timeout=100)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, f"scenario {name} failed:\n{res.stdout}\n{res.stderr}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    out["stderr"] = res.stderr
+    pids = out["pids"] + out["pids_after"]
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10), "leaked worker processes"
+    return out
+
+
+def assert_broken(r: dict) -> None:
+    assert r["unchanged"] is True, r["unchanged"]
+    assert r["next"] == "PoolBrokenError"
+
+
+@pytest.mark.parametrize("name,sig", [("sigkill_forward", "SIGKILL"), ("sigkill_backward", "SIGKILL")])
+def test_p1_p2_sigkill_mid_step(name, sig):
+    r = fault(name)
+    assert r["error"] == "WorkerDiedError" and r["worker"] == 1 and r["signal_name"] == sig
+    assert r["pid"] == r["pids"][1] and r["step"] >= 2
+    assert f"worker 1 (cpu, pid {r['pids'][1]}) was killed by SIGKILL" in r["message"]
+    assert "out-of-memory" in r["message"] and "pool is broken" in r["message"]
+    assert r["detect_s"] < 5
+    assert_broken(r)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_p7_all_workers_die_at_once(n):
+    r = fault("kill_all", workers=n, victim=0)
+    assert r["error"] == "WorkerDiedError"
+    assert sorted(r["workers"]) == list(range(n)), r["message"]
+    if n > 1:
+        assert "Also dead:" in r["message"]
+    assert_broken(r)
+
+
+def test_h1_gil_hang_detected_by_python_heartbeat():
+    r = fault("gil_hang", heartbeat_timeout_s=1.0)
+    assert r["error"] == "WorkerTimeoutError" and r["worker"] == 1
+    assert "no heartbeat" in r["message"] and "holding the GIL" in r["message"]
+    assert "Thread 0x" in r["stderr"] or "Current thread" in r["stderr"]  # stacks were dumped first
+    assert_broken(r)
+
+
+def test_h2_frozen_worker():
+    r = fault("sigstop", heartbeat_timeout_s=1.0)
+    assert r["error"] == "WorkerTimeoutError" and r["worker"] == 1 and "no heartbeat" in r["message"]
+    assert_broken(r)
+
+
+def test_h3_progress_hang_hits_step_deadline():
+    r = fault("progress_hang", step_timeout_s=2.0)
+    assert r["error"] == "WorkerTimeoutError" and r["worker"] == 1
+    assert "exceeded step_timeout=2s" in r["message"]
+    assert 1.5 < r["detect_s"] < 10
+    assert_broken(r)
+
+
+def test_r1_memory_error_is_remote_and_pool_survives():
+    r = fault("memory_error")
+    assert r["error"] == "RemoteMemoryError" and "MemoryError" in r["error_mro"] and "RemoteError" in r["error_mro"]
+    assert r["unchanged"] is True and r["next"] == "ok"
+
+
+def test_p6_result_pickling_error_is_remote():
+    r = fault("result_pickling")
+    assert "RemoteError" in r["error_mro"] and "cannot be pickled" in r["message"]
+    assert r["unchanged"] is True and r["next"] == "ok"
+
+
+def test_l6_ctrl_c_mid_step():
+    r = fault("sigint")
+    assert r["error"] == "KeyboardInterrupt" and r["detect_s"] < 5
+    assert r["unchanged"] is True and r["next"] == "ok"  # the pool survives an interrupted call
+
+
+def test_l6_close_from_another_thread_mid_step():
+    r = fault("close_from_thread")
+    assert r["error"] in ("PoolBrokenError", "WorkerDiedError") and r["detect_s"] < 5
+    assert r["unchanged"] is True and r["next"] == "PoolBrokenError"
+
+
+@pytest.mark.parametrize("name", ["sigkill_forward", "gil_hang"])
+def test_max_restarts_respawns_and_resyncs(name):
+    r = fault(name, max_restarts=1, heartbeat_timeout_s=1.0)
+    assert r["error"] in ("WorkerDiedError", "WorkerTimeoutError")
+    assert "restarted and re-synced" in r["message"]
+    assert r["unchanged"] is True and r["next"] == "ok" and r["next_params_finite"]
+    assert r["pids_after"][0] == r["pids"][0] and r["pids_after"][1] != r["pids"][1]
+
+
+@pytest.mark.parametrize("name,how", [("segfault", "killed by SIGSEGV"), ("exit0", "exited with code 0")])
+def test_p3_p4_crash_and_clean_exit_mid_step(name, how):
+    r = fault(name)
+    assert r["error"] == "WorkerDiedError" and r["worker"] == 1 and how in r["message"]
+    if name == "segfault":
+        assert r["signal_name"] == "SIGSEGV" and "Fatal Python error" in r["message"]  # faulthandler forwarded
+    else:
+        assert r["exitcode"] == 0 and "exited the process" in r["message"]
+    assert_broken(r)
+
+
+def test_p5_crash_while_unpickling_the_model():
+    code = """
+    import os, torch, dpool
+    class Bomb(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+        def __reduce__(self):
+            return (os._exit, (3,))      # runs in the worker when it unpickles the model
+    try:
+        dpool.wrap(Bomb(), ["cpu", "cpu"], startup_timeout_s=30)
+    except dpool.WorkerStartError as e:
+        print("ERR", str(e).replace("\\n", " "))
+    """
+    res = run_script(code)
+    assert res.returncode == 0, res.stderr
+    line = [l for l in res.stdout.splitlines() if l.startswith("ERR")][0]
+    assert "exited with code 3 while loading the model" in line and "no pool was started" in line
+
+
+def test_l7_module_missing_in_worker():
+    code = """
+    import sys, types, torch, dpool
+    ghost = types.ModuleType("ghost_module")          # importable here, nowhere else
+    exec("import torch\\nclass Net(torch.nn.Module):\\n    def __init__(self):\\n        super().__init__()\\n        self.l = torch.nn.Linear(2, 2)\\n", ghost.__dict__)
+    ghost.Net.__module__ = "ghost_module"
+    sys.modules["ghost_module"] = ghost
+    try:
+        dpool.wrap(ghost.Net(), ["cpu", "cpu"])
+    except dpool.WorkerStartError as e:
+        print("ERR", str(e).replace("\\n", " "))
+    """
+    res = run_script(code)
+    assert res.returncode == 0, res.stderr
+    line = [l for l in res.stdout.splitlines() if l.startswith("ERR")][0]
+    assert "worker 0 (cpu, pid" in line and "unpickling the model" in line and "ghost_module" in line
+
+
+def test_l3_whole_session_killed_then_next_wrap_sweeps():
+    """killpg of coordinator + workers together: the next wrap() removes stale segments of dead owners."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    code = ("import os, signal, torch, dpool\n"
+            "m = dpool.wrap(torch.nn.Linear(2, 2), ['cpu', 'cpu'])\n"
+            "m(torch.randn(4, 2)).sum().backward()\n"
+            "open(os.environ['STALE'], 'wb').write(b'x' * 4096)  # a leftover from the creation window\n"
+            "os.killpg(0, signal.SIGKILL)\n")
+    stale = f"/dev/shm/dpool-{os.getuid()}-999999-deadbeef-1"
+    env = dict(os.environ, PYTHONPATH=ROOT, STALE=stale)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert os.path.exists(stale)
+    # pid 999999 does not exist, so the segment is stale
+    res = run_script("import torch, dpool\nm = dpool.wrap(torch.nn.Linear(2, 2), ['cpu'])\nm.close()\nprint('OK')")
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr
+    assert not os.path.exists(stale)
+
+
+def test_r5_low_fd_limit_still_trains():
+    """dpool passes no fds per tensor: a coordinator held to 64 open files trains normally."""
+    code = """
+    import resource, torch, dpool
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    m = dpool.wrap(torch.nn.Linear(8, 8), ["cpu", "cpu"])
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(50):
+        opt.zero_grad(); m(torch.randn(32, 8)).pow(2).mean().backward(); opt.step()
+    m.close()
+    print("OK")
+    """
+    res = run_script(code)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr
