@@ -51,6 +51,7 @@ class CallState:
         self.rg = rg
         self.shard_shapes = shard_shapes
         self.ctx: Any = None
+        self.rows: list[int] = [1] * k
         dim = runtime.dim
         self.differentiable = [any(metas[s][g[s]][3] for s in range(k)) for g in groups]
         self.stacked = [runtime.n > 1 and all(len(metas[s][g[s]][1]) == 0 for s in range(k)) for g in groups]

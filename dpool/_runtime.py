@@ -77,7 +77,8 @@ class Runtime:
     """
 
     def __init__(self, module: torch.nn.Module, devices: Sequence[str], dim: int, config: Config,
-                 worker_threads: int, max_restarts: int = 0) -> None:
+                 worker_threads: int, max_restarts: int = 0, buffers: str = "first",
+                 shard_weights: Sequence[float] | None = None, balance: str | None = None) -> None:
         self.module = module
         self.dim = dim
         self.config = config
@@ -107,6 +108,18 @@ class Runtime:
         self._io = [{r: _IO() for r in ("in", "out", "gout", "gin")} for _ in range(self.n)]
         self._closed = False
         self.restarts_left = max_restarts
+        if shard_weights is not None:
+            if len(shard_weights) != self.n or any(not w > 0 for w in shard_weights):
+                raise ValueError(f"shard_weights needs {self.n} positive numbers (one per worker), got {shard_weights!r}")
+            if balance is not None:
+                raise ValueError("give either shard_weights or balance='auto', not both")
+        if balance not in (None, "auto"):
+            raise ValueError(f"balance={balance!r}: the only balancing mode is 'auto'")
+        self._weights = list(map(float, shard_weights)) if shard_weights is not None else None
+        self._balance = balance
+        self._rates = [[0.0, 0.0] for _ in range(self.n)]  # EMA seconds per row: forward, backward
+        self.no_sync = False
+        self.buffer_policy = buffers
         self._epoch_call = 0  # graphs of calls up to this id were lost in a worker restart
         self.pool = Pool(devices, config, worker_threads)
         try:
@@ -132,6 +145,10 @@ class Runtime:
             v = standalone_view(self.master.mmap, off, b.dtype, b.shape)
             v.copy_(b.detach())
             self.buffer_views.append(v)
+        from ._buffers import BufferCommit
+
+        self._buffers = BufferCommit(self.buffer_policy, self.module, self.buffers, layout.buffer_offsets,
+                                     self.buffer_views)
         with torch.no_grad():
             for p, v in zip(self.params, self.param_views):
                 p.data = v
@@ -162,7 +179,7 @@ class Runtime:
         bl = Layout.wire(self.buffers, layout.buffer_offsets, False)
         msgs = {
             i: P.Init(self._model_bytes, [p for p in sys.path if isinstance(p, str)], self.master.fd_ref(),
-                      self.states[i].ref(), pl, bl, pool.threads)
+                      self.states[i].ref(), pl, bl, pool.threads, {"bn_counts": self._buffers.needs_counts})
             for i in indices
         }
         try:
@@ -187,6 +204,7 @@ class Runtime:
         if b is not None:
             self._master_buffers = self.master.u8[b[0]:b[1]]
             self._first_buffers = self.states[0].u8[b[0]:b[1]]
+        self._buffer_slots = [self._buffers.slot_views(st.u8) for st in self.states]
 
     def _request(self, msgs: dict[int, P.Message], stage: str) -> dict[int, P.Message]:
         """``pool.request`` that, on a dead or hung worker, restarts it (``max_restarts``) or breaks the pool."""
@@ -220,6 +238,7 @@ class Runtime:
             self._grad_slots[i] = [self.states[i].u8[a:b].view(dt) for dt, a, b, _ in self.layout.param_groups]
             self._io[i] = {r: _IO() for r in ("in", "out", "gout", "gin")}
             self._regions[i] = {}
+            self._buffer_slots[i] = self._buffers.slot_views(self.states[i].u8)
         if 0 in indices and self.layout.buffer_range is not None:
             a, b = self.layout.buffer_range
             self._first_buffers = self.states[0].u8[a:b]
@@ -397,12 +416,29 @@ class Runtime:
             if grad:
                 self._release.add(call)
             gathered = state.gather()
-        # Commit: every shard succeeded, so buffer updates may reach the master ("first" policy).
+        rows = next((sizes for sizes in splits if sizes is not None), [1] * k)
+        if self._balance:
+            for s in range(k):
+                self._observe(s, 0, replies[s].busy, rows[s])
+        # Commit: every shard succeeded, so buffer updates may reach the master (see _buffers.py).
         if self.layout.buffer_range is not None:
-            self._master_buffers.copy_(self._first_buffers)
+            self._buffers.commit(self._master_buffers, self._first_buffers, self._buffer_slots[:k], rows,
+                                 [replies[s].stats for s in range(k)],
+                                 [bn.training for bn, *_ in self._buffers.batchnorms])
+        state.rows = rows
         return _gather.build(specs, iter(gathered))
 
+    def _observe(self, w: int, phase: int, busy: float, rows: int) -> None:
+        rate = busy / max(rows, 1)
+        old = self._rates[w][phase]
+        self._rates[w][phase] = rate if old == 0.0 else 0.7 * old + 0.3 * rate
+
     def shard_weights(self) -> list[float] | None:
+        """Shares of the batch per worker: manual ``shard_weights``, measured (``balance="auto"``) or even."""
+        if self._weights is not None:
+            return self._weights
+        if self._balance and all(r[0] > 0 for r in self._rates):
+            return [1.0 / (r[0] + r[1]) for r in self._rates]
         return None
 
     def _modules(self) -> list[torch.nn.Module]:
@@ -428,10 +464,13 @@ class Runtime:
             seg = self._ensure(s, "gout", placer.offset)
             gmetas = [Placer.write(seg.views, o, g) if g is not None else None for o, g in zip(offs, pieces)]
             gin = self._ensure(s, "gin", state.gin_sizes[s])
-            msgs[s] = P.Backward(state.call, pool.step, seg.ref(), gmetas, gin.ref())
+            msgs[s] = P.Backward(state.call, pool.step, seg.ref(), gmetas, gin.ref(), self.no_sync)
         replies = self._request(msgs, "running backward")
         pool.unlink_segments()
         self._raise_failures(replies, "backward")
+        if self._balance:
+            for s in range(state.k):
+                self._observe(s, 1, replies[s].busy, state.rows[s])
         # Sum the workers' gradient slots, one dense op per dtype group.
         mask = bytearray(len(self.params))
         for s in range(state.k):

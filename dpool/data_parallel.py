@@ -1,8 +1,10 @@
 """``dpool.DataParallel``: ``nn.DataParallel``'s API, with replicas in long-lived worker processes."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import psutil
 import torch
@@ -66,6 +68,14 @@ class DataParallel(nn.Module):
             failed call still raises (and changes nothing); the worker is
             respawned and re-synced from the master, and the next call works.
             Default: 0, a dead worker breaks the pool (every later call raises).
+        buffers (str): how replica buffer updates reach the master: ``"first"``
+            (DataParallel's: the first shard's), ``"average"`` (shard-size
+            weighted mean) or ``"sync"`` (BatchNorm running statistics equal to
+            one BatchNorm over the whole batch). Default: ``"first"``.
+        shard_weights (list of float, optional): the share of each batch each
+            worker gets (e.g. ``[2, 1]``); default: even shards.
+        balance (str, optional): ``"auto"`` derives the shares from measured
+            per-worker step times, so a slower worker gets a smaller shard.
         coordinator_threads (int, optional): torch threads of this process
             while the pool is open, so that it does not compete with the
             workers for cores; restored by :meth:`close`. ``None`` leaves the
@@ -100,6 +110,9 @@ class DataParallel(nn.Module):
         worker_threads: int | None = None,
         coordinator_threads: int | None = 1,
         max_restarts: int = 0,
+        buffers: str = "first",
+        shard_weights: Sequence[float] | None = None,
+        balance: str | None = None,
         config: Config | None = None,
         **options: Any,
     ) -> None:
@@ -130,7 +143,7 @@ class DataParallel(nn.Module):
         self._runtime: Runtime | None = None
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
-        self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts)
+        self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance)
         if coordinator_threads is not None:
             torch.set_num_threads(coordinator_threads)
         else:
@@ -143,6 +156,42 @@ class DataParallel(nn.Module):
                 "this dpool model is closed; call model.module(...) or dpool.unwrap(model), or wrap it again"
             )
         return rt.forward(inputs, kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Keep parameter gradients on the workers during gradient accumulation.
+
+        Backward passes inside the context accumulate gradients in each
+        worker; the first backward after leaving it transfers the accumulated
+        sum once, as ``DistributedDataParallel.no_sync`` does. Input gradients
+        are returned as usual. The master's ``.grad`` is only updated by that
+        first backward outside the context.
+        """
+        rt = self._runtime
+        if rt is None:
+            raise PoolBrokenError("this dpool model is closed")
+        old, rt.no_sync = rt.no_sync, True
+        try:
+            yield
+        finally:
+            rt.no_sync = old
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a checkpoint saved with or without the ``module.`` prefix.
+
+        Accepts ``model.state_dict()`` of a dpool model or of ``nn.DataParallel``
+        (``module.``-prefixed keys), and ``module.state_dict()`` of a plain module.
+        The values reach the workers before the next forward.
+        """
+        if state_dict and not any(k.startswith("module.") for k in state_dict):
+            prefixed = collections.OrderedDict(("module." + k, v) for k, v in state_dict.items())
+            meta = getattr(state_dict, "_metadata", None)
+            if meta is not None:
+                prefixed._metadata = collections.OrderedDict(  # type: ignore[attr-defined]
+                    (("module." + k) if k else "module", v) for k, v in meta.items()
+                )
+            state_dict = prefixed
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def worker_states(self, fn: Any) -> list[Any]:
         """Run ``fn(replica)`` in every worker and return the results, one per worker.

@@ -120,6 +120,7 @@ class Hello(Message):
     param_layout=_LIST,
     buffer_layout=_LIST,
     threads=_INT,
+    options=(dict,),
 )
 class Init(Message):
     """Coordinator → worker: the pickled model (without tensor data) and the shared layouts."""
@@ -131,6 +132,7 @@ class Init(Message):
     param_layout: list
     buffer_layout: list
     threads: int
+    options: dict
 
 
 @_message("init_done", n_params=_INT, n_buffers=_INT)
@@ -178,14 +180,20 @@ class Forward(Message):
     release: list
 
 
-@_message("forward_done", call=_INT, tree=(object,), tensors=_LIST, need=_INT)
+@_message("forward_done", call=_INT, tree=(object,), tensors=_LIST, need=_INT, stats=_LIST, busy=(float,))
 class ForwardDone(Message):
-    """The replica's output structure; ``need > 0`` means the outputs segment was too small."""
+    """The replica's output structure; ``need > 0`` means the outputs segment was too small.
+
+    ``stats`` holds per-BatchNorm value counts when the ``"sync"`` buffer policy needs them;
+    ``busy`` is the seconds the worker spent on the request (for ``balance="auto"``).
+    """
 
     call: int
     tree: Any
     tensors: list
     need: int
+    stats: list
+    busy: float
 
 
 @_message("fetch", call=_INT, outputs=_LIST)
@@ -196,24 +204,30 @@ class Fetch(Message):
     outputs: SegRef
 
 
-@_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_LIST, input_grads=_LIST)
+@_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_LIST, input_grads=_LIST, hold=_BOOL)
 class Backward(Message):
-    """Backpropagate ``grad_tensors`` (metas in ``grads``, ``None`` for no gradient) through ``call``."""
+    """Backpropagate ``grad_tensors`` (metas in ``grads``, ``None`` for no gradient) through ``call``.
+
+    ``hold`` (``no_sync``): keep the parameter gradients in the worker, accumulating, instead of
+    writing them to the gradient slot.
+    """
 
     call: int
     step: int
     grads: SegRef
     grad_tensors: list
     input_grads: SegRef
+    hold: bool
 
 
-@_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_LIST)
+@_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_LIST, busy=(float,))
 class BackwardDone(Message):
     """Parameter gradients are in the worker's gradient slot; ``param_mask`` says which exist."""
 
     call: int
     param_mask: bytes
     input_grads: list
+    busy: float
 
 
 @_message("release", calls=_LIST)

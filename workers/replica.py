@@ -18,6 +18,7 @@ import io
 import os
 import pickle
 import sys
+import time
 from typing import Any, Callable
 
 import cloudpickle
@@ -74,6 +75,7 @@ class Replica:
         self.calls: dict[int, _Call] = {}
         self.unfetched: dict[int, tuple[list[torch.Tensor], bool]] = {}
         self._to_release: list[int] = []
+        self._holding = False
         self._training = b""
         self._requires_grad = b""
         self._handlers = {
@@ -154,8 +156,22 @@ class Replica:
         self.params = [params[i] for i in range(len(self.param_views))]
         self.modules = list(model.modules())
         self.model = model
+        self._bn_counts: list[int] = []
+        if msg.options.get("bn_counts"):
+            bns = [m for m in self.modules
+                   if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
+            self._bn_counts = [0] * len(bns)
+            for j, bn in enumerate(bns):
+                bn.register_forward_pre_hook(self._counter(j))
         self.stage = "idle"
         return P.InitDone(len(self.params), len(self.buffer_views))
+
+    def _counter(self, j: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            x = args[0]
+            self._bn_counts[j] = x.numel() // x.shape[1]  # values per channel BatchNorm normalises
+
+        return hook
 
     # ---------------------------------------------------------------- forward
     def _apply_flags(self, training: bytes, requires_grad: bytes) -> None:
@@ -180,6 +196,7 @@ class Replica:
         if msg.release:
             self._to_release = msg.release  # freeing graphs can wait until the reply is out
         self.stage = f"running forward on shard {msg.shard}"
+        t0 = time.perf_counter()
         inp = self._seg("in", msg.inputs)
         self._seg("out", msg.outputs)
         self._apply_flags(msg.training, msg.requires_grad)
@@ -216,22 +233,23 @@ class Replica:
         offsets = [placer.reserve(t) for t in outs]
         if placer.offset > msg.outputs[1]:
             self.unfetched[msg.call] = (outs, msg.grad)
-            return P.ForwardDone(msg.call, spec, [], placer.offset)
+            return P.ForwardDone(msg.call, spec, [], placer.offset, list(self._bn_counts), time.perf_counter() - t0)
         out_seg = self.segs["out"]
         metas = [Placer.write(out_seg.views, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
         self.stage = "idle"
-        return P.ForwardDone(msg.call, spec, metas, 0)
+        return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.perf_counter() - t0)
 
     def fetch(self, msg: P.Fetch) -> P.Message:
         outs, grad = self.unfetched.pop(msg.call)
         seg = self._seg("out", msg.outputs)
         placer = Placer()
         metas = [Placer.write(seg.views, placer.reserve(t), t, grad and t.requires_grad) for t in outs]
-        return P.ForwardDone(msg.call, None, metas, 0)
+        return P.ForwardDone(msg.call, None, metas, 0, list(self._bn_counts), 0.0)
 
     # ---------------------------------------------------------------- backward
     def backward(self, msg: P.Backward) -> P.Message:
         self.stage = f"running backward at step {msg.step}"
+        t0 = time.perf_counter()
         call = self.calls.get(msg.call)
         if call is None:
             raise RuntimeError(
@@ -246,13 +264,15 @@ class Replica:
             if meta is not None and t.requires_grad:
                 roots.append(t)
                 grads.append(read(gseg.views, meta))
-        for p in self.params:
-            p.grad = None
+        if not self._holding:
+            for p in self.params:
+                p.grad = None
         if roots:
             _run_backward(roots, grads)
         mask = bytearray(len(self.params))
+        self._holding = msg.hold  # no_sync: gradients stay here, accumulating, until a backward without hold
         for i, p in enumerate(self.params):
-            if p.requires_grad:
+            if p.requires_grad and not msg.hold:
                 if p.grad is not None:
                     self.grad_views[i].copy_(p.grad)
                     mask[i] = 1
@@ -271,7 +291,7 @@ class Replica:
             metas.append(Placer.write(giseg.views, off, leaf.grad))
             leaf.grad = None
         self.stage = "idle"
-        return P.BackwardDone(msg.call, bytes(mask), metas)
+        return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0)
 
     # ---------------------------------------------------------------- misc
     def release(self, msg: P.Release) -> P.Message:

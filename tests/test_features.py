@@ -1,0 +1,186 @@
+"""Beyond DataParallel: checkpoints, autocast dtype, buffer policies, balanced shards, no_sync."""
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import dpool
+from tests import models
+from tests.reference import per_shard, split
+
+
+def test_checkpoints_load_both_ways(wrap, tmp_path):
+    net = models.make("cnn")
+    model = wrap(net)
+    (x,), _ = models.batch("cnn", 6)
+    model(x).sum().backward()  # running stats move away from their initial values
+    path = tmp_path / "ckpt.pt"
+    torch.save(model.state_dict(), path)  # module.-prefixed, like nn.DataParallel
+    sd = torch.load(path)
+    # dpool -> plain module (recommended: save model.module.state_dict(); prefixed works via consume_prefix)
+    plain = models.make("cnn", seed=3)
+    torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, "module.")
+    plain.load_state_dict(sd)
+    plain2 = models.make("cnn", seed=4)
+    plain2.load_state_dict(model.module.state_dict())
+    # dpool -> nn.DataParallel
+    dp = nn.DataParallel(models.make("cnn", seed=5))
+    dp.load_state_dict(model.state_dict())
+    for other in (plain, plain2, dp.module):
+        for a, b in zip(other.state_dict().values(), net.state_dict().values()):
+            assert torch.equal(a, b)
+    # plain keys and DataParallel keys -> dpool; the workers see the new values
+    for source in (models.make("cnn", seed=6).state_dict(), nn.DataParallel(models.make("cnn", seed=7)).state_dict()):
+        model.load_state_dict(source)
+        ref = models.make("cnn")
+        ref.load_state_dict({k.removeprefix("module."): v for k, v in source.items()})
+        model.eval()
+        ref.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x))
+        model.train()
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict({"head.weight": torch.zeros(5, 16)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_dtype_reaches_replicas(wrap, dtype):
+    net = models.make("mlp", dtype=torch.float32)
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    x = torch.randn(9, 12)
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(x)
+        rout = ref(x)
+    assert out.dtype == dtype == rout.dtype  # DataParallel would lose the dtype in its threads
+    torch.testing.assert_close(out, rout)
+    out.float().sum().backward()
+    rout.float().sum().backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_buffer_policy_average(wrap):
+    net = models.make("cnn")
+    ref = copy.deepcopy(net)
+    model = wrap(net, buffers="average")
+    (x,), _ = models.batch("cnn", 11)
+    model(x)
+    # reference: each shard from the same start, then the shard-size weighted mean
+    start = copy.deepcopy(ref)
+    results = []
+    for part in split(x, [6, 5]):
+        r = copy.deepcopy(start)
+        r(part)
+        results.append(dict(r.named_buffers()))
+    for name, b in net.named_buffers():
+        if b.is_floating_point():
+            torch.testing.assert_close(b, (6 * results[0][name] + 5 * results[1][name]) / 11)
+        else:
+            assert torch.equal(b, results[0][name])
+
+
+class TwoBranches(nn.Module):
+    """Two BatchNorms whose inputs do not depend on another BatchNorm's normalisation."""
+
+    def __init__(self, momentum):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn2d = nn.BatchNorm2d(4, momentum=momentum)
+        self.lin = nn.Linear(3 * 8 * 8, 6)
+        self.bn1d = nn.BatchNorm1d(6, momentum=momentum)
+
+    def forward(self, x):
+        return self.bn2d(self.conv(x)).mean(dim=(2, 3)), self.bn1d(self.lin(x.flatten(1)))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_buffer_policy_sync_equals_full_batch_statistics(wrap, momentum):
+    """Running statistics equal one BatchNorm over the whole batch (for BatchNorms whose inputs do
+    not depend on an earlier BatchNorm; for those, use dpool.convert_sync_batchnorm)."""
+    torch.manual_seed(0)
+    net = TwoBranches(momentum).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * 3, buffers="sync")
+    for step in range(3):
+        x = torch.randn(10, 3, 8, 8, dtype=torch.float64) * (step + 1) + step
+        model(x)
+        ref(x)  # one BatchNorm over the whole batch
+        for (n, b), rb in zip(net.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(b, rb, msg=lambda m: f"{n}: {m}")
+    model.eval()
+    ref.eval()
+    with torch.no_grad():  # eval forwards leave the statistics alone
+        model(x)
+    for b, rb in zip(net.buffers(), ref.buffers()):
+        torch.testing.assert_close(b, rb)
+
+
+class RowCounter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.slow = False
+
+    def forward(self, x):
+        if self.slow:
+            time.sleep(0.002 * x.shape[0])  # a deliberately slow worker: 2 ms per row
+        return self.lin(x), x.shape[0]
+
+
+def test_shard_weights_by_hand(wrap):
+    net = RowCounter().double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, shard_weights=[3, 1])
+    x = torch.randn(8, 3, dtype=torch.float64)
+    out, rows = model(x)
+    assert rows == [6, 2]
+    torch.testing.assert_close(out, ref(x)[0])
+    out.sum().backward()
+    ref(x)[0].sum().backward()
+    torch.testing.assert_close(net.lin.weight.grad, ref.lin.weight.grad)
+    with pytest.raises(ValueError, match="positive numbers"):
+        dpool.wrap(RowCounter(), ["cpu", "cpu"], shard_weights=[1, 0])
+
+
+def test_balance_auto_gives_a_slow_worker_less(wrap):
+    net = RowCounter()
+    model = wrap(net, balance="auto")
+    slow_pid = model.pids[1]
+    model.worker_states(lambda m, p=slow_pid: setattr(m, "slow", os.getpid() == p))
+    x = torch.randn(64, 3)
+    rows = None
+    for _ in range(8):
+        out, rows = model(x)
+        out.sum().backward()
+    assert sum(rows) == 64 and rows[1] < rows[0] // 2, rows
+
+
+def test_no_sync_transfers_once_and_equals_plain_accumulation(wrap):
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    xs = [torch.randn(7, 12, dtype=torch.float64) for _ in range(3)]
+    with model.no_sync():
+        for x in xs[:2]:
+            model(x).pow(2).sum().backward()
+        assert all(p.grad is None for p in net.parameters())  # nothing transferred yet
+    model(xs[2]).pow(2).sum().backward()  # the step that leaves the context transfers the sum
+    for x in xs:
+        ref(x).pow(2).sum().backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+    # and the next accumulation starts from zero on the workers
+    for p in net.parameters():
+        p.grad = None
+    for p in ref.parameters():
+        p.grad = None
+    model(xs[0]).sum().backward()
+    ref(xs[0]).sum().backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
