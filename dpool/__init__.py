@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .config import Config
 from .data_parallel import DataParallel, is_wrapped, unwrap, wrap
+from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from .errors import (
     AuthError,
     DpoolError,
@@ -26,6 +27,8 @@ __all__ = [
     "unwrap",
     "is_wrapped",
     "DataParallel",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
     "Config",
     "DpoolError",
     "RemoteError",

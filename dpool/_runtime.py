@@ -324,7 +324,9 @@ class Runtime:
         failed = sorted((i, r) for i, r in replies.items() if isinstance(r, P.Failed))
         if not failed:
             return
-        i, r = failed[0]
+        # Shards released from a collective because another failed are not the cause: report the cause.
+        causes = [(i, r) for i, r in failed if r.qualname != "CollectiveAborted"] or failed
+        i, r = causes[0]
         w = self.pool.workers[i]
         err = remote_error(r.module, r.qualname, r.message, r.traceback, worker=i, device=w.device, pid=w.pid,
                            step=self.pool.step, where=f"{where} (shard {i})")
@@ -375,7 +377,7 @@ class Runtime:
                 out = self._ensure(s, "out", 0)
                 msgs[s] = P.Forward(call, pool.step, grad, training, requires_grad,
                                     self.layout.buffer_range is not None, seg.ref(), out.ref(), spec, metas, s,
-                                    autocast, release)
+                                    k, autocast, release)
         except BaseException:
             pool.unlink_segments()  # segments made for this call were never announced to a worker
             self._release.update(release)

@@ -178,6 +178,9 @@ class Pool:
         self._seg_counter = 0
         self.rejected = 0  # control messages dropped by authentication or validation
         self._generation = 0
+        self._round: set[int] = set()
+        self._round_aborted = False
+        self._collectives: dict[int, dict[int, bytes]] = {}
         self._key = secrets.token_bytes(32)
         self.codec = P.Codec(self._key, config.max_message_bytes)
         self._seq_out = 0
@@ -370,6 +373,9 @@ class Pool:
         self.check_usable()
         with self._lock:
             self._in_round = True
+            self._round = set(msgs)
+            self._round_aborted = False
+            self._collectives = {}
             try:
                 for idx, msg in msgs.items():
                     self._send(idx, msg)
@@ -418,6 +424,43 @@ class Pool:
             out.append((idx, msg))
         return out
 
+    # ------------------------------------------------------------------ collectives
+    def _allreduce(self, idx: int, msg: P.AllReduce) -> None:
+        """Hub of the workers' all-reduces (SyncBatchNorm): sum once every shard of the round sent its part."""
+        if self._round_aborted:
+            self._reply_collective(idx, P.AllReduceDone(msg.seq, b"", True))
+            return
+        parts = self._collectives.setdefault(msg.seq, {})
+        parts[idx] = msg.data
+        if len(parts) < len(self._round):
+            return
+        del self._collectives[msg.seq]
+        sizes = {len(d) for d in parts.values()}
+        if len(sizes) != 1 or next(iter(sizes)) % 8:
+            self._abort_collectives()
+            return
+        total = torch.zeros(next(iter(sizes)) // 8, dtype=torch.float64)
+        for d in parts.values():
+            total += torch.frombuffer(bytearray(d), dtype=torch.float64)
+        data = total.numpy().tobytes()
+        for w in parts:
+            self._reply_collective(w, P.AllReduceDone(msg.seq, data, False))
+
+    def _abort_collectives(self) -> None:
+        """A shard failed: release every worker blocked in a collective of this round."""
+        self._round_aborted = True
+        for seq, parts in self._collectives.items():
+            for w in parts:
+                self._reply_collective(w, P.AllReduceDone(seq, b"", True))
+        self._collectives.clear()
+
+    def _reply_collective(self, idx: int, msg: P.Message) -> None:
+        self._seq_out += 1
+        try:
+            self._sock.send_multipart([self.workers[idx].ident, self.codec.encode(msg, self._seq_out)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the worker is gone; its death is reported by the exit sentinel
+
     def _index_of(self, ident: bytes) -> int:
         for w in self.workers:
             if w.ident == ident:
@@ -445,10 +488,15 @@ class Pool:
             events = dict(self._poller.poll(int(min(deadline - now, tick) * 1000) + 1))
             if self._sock in events:
                 for idx, msg in self._drain():
+                    if isinstance(msg, P.AllReduce):
+                        self._allreduce(idx, msg)
+                        continue
                     self._pending[idx] -= 1
                     if self._pending[idx] == 0 and idx in need:
                         replies[idx] = msg
                         need.discard(idx)
+                        if isinstance(msg, P.Failed):
+                            self._abort_collectives()
             self._check_exits(events, stage=stage)
             if need:
                 now_ns = time.monotonic_ns()

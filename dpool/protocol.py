@@ -54,6 +54,8 @@ __all__ = [
     "ReleaseDone",
     "Call",
     "CallDone",
+    "AllReduce",
+    "AllReduceDone",
     "Shutdown",
     "Failed",
 ]
@@ -154,6 +156,7 @@ class InitDone(Message):
     tree=(object,),
     tensors=_LIST,
     shard=_INT,
+    world=_INT,
     autocast=(list, _NONE),
     release=_LIST,
 )
@@ -176,6 +179,7 @@ class Forward(Message):
     tree: Any
     tensors: list
     shard: int
+    world: int
     autocast: list | None
     release: list
 
@@ -252,6 +256,27 @@ class CallDone(Message):
     result: bytes
 
 
+@_message("allreduce", seq=_INT, data=_BYTES)
+class AllReduce(Message):
+    """Worker → coordinator, *during* a forward or backward: sum ``data`` (float64) over the round's shards.
+
+    ``seq`` counts the all-reduces a worker made in the current request; every shard makes the same
+    ones in the same order (same model), so equal ``seq`` means the same collective.
+    """
+
+    seq: int
+    data: bytes
+
+
+@_message("allreduce_done", seq=_INT, data=_BYTES, abort=_BOOL)
+class AllReduceDone(Message):
+    """The sum; ``abort`` when another shard failed, so that no worker waits forever."""
+
+    seq: int
+    data: bytes
+    abort: bool
+
+
 @_message("shutdown")
 class Shutdown(Message):
     pass
@@ -279,7 +304,7 @@ MESSAGES: dict[str, type[Message]] = {
     cls.op: cls  # type: ignore[misc]
     for cls in (
         Hello, Init, InitDone, Forward, ForwardDone, Fetch, Backward, BackwardDone,
-        Release, ReleaseDone, Call, CallDone, Shutdown, Failed,
+        Release, ReleaseDone, Call, CallDone, AllReduce, AllReduceDone, Shutdown, Failed,
     )
 }
 

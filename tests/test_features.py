@@ -184,3 +184,67 @@ def test_no_sync_transfers_once_and_equals_plain_accumulation(wrap):
     ref(xs[0]).sum().backward()
     for p, rp in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, rp.grad)
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.lin = nn.Linear(4, 5)
+        self.bn2 = nn.BatchNorm1d(5, momentum=None)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv(x))).mean(dim=(2, 3))
+        return self.bn2(self.lin(h))
+
+
+@pytest.mark.parametrize("n_workers", [2, 3])
+def test_sync_batchnorm_equals_full_batch_batchnorm(wrap, n_workers):
+    torch.manual_seed(0)
+    ref = BNNet().double()
+    net = dpool.convert_sync_batchnorm(copy.deepcopy(ref))
+    assert isinstance(net.bn1, dpool.SyncBatchNorm) and isinstance(net.bn2, dpool.SyncBatchNorm)
+    model = wrap(net, ["cpu"] * n_workers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(11, 3, 6, 6, dtype=torch.float64) * (step + 1)
+        out, rout = model(x), ref(x)
+        torch.testing.assert_close(out, rout)  # normalised with whole-batch statistics
+        out.pow(3).sum().backward()
+        rout.pow(3).sum().backward()
+        for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"grad {n}: {m}")
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    for (n, b), rb in zip(net.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, rb, msg=lambda m: f"buffer {n}: {m}")
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+
+
+class FailsOnShard1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = dpool.SyncBatchNorm(3)
+
+    def forward(self, x):
+        if x[0, 0] > 100:
+            raise ValueError("shard 1 fails before the collective")
+        return self.bn(x)
+
+
+def test_sync_batchnorm_failure_on_one_shard_does_not_hang(wrap):
+    """H4: the other shards wait in the collective; they are released and the real error surfaces."""
+    model = wrap(FailsOnShard1())
+    x = torch.randn(8, 3)
+    x[4, 0] = 1000.0
+    with pytest.raises(ValueError, match="shard 1 fails") as info:
+        model(x)
+    assert info.value.worker == 1
+    model(torch.randn(8, 3)).sum().backward()  # the pool is fine afterwards

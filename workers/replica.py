@@ -28,6 +28,7 @@ from dpool import _tree
 from dpool import protocol as P
 from dpool._tensors import DTYPES, Placer, check_tensor, meta_nbytes, read
 from dpool.shm import Mapped, attach, standalone_view
+from dpool.sync_batchnorm import _set_collective
 
 
 def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -54,11 +55,12 @@ class _Unpickler(pickle.Unpickler):
 
 
 class _Call:
-    __slots__ = ("outputs", "leaves")
+    __slots__ = ("outputs", "leaves", "world")
 
-    def __init__(self, outputs: list[torch.Tensor], leaves: list[torch.Tensor | None]) -> None:
+    def __init__(self, outputs: list[torch.Tensor], leaves: list[torch.Tensor | None], world: int) -> None:
         self.outputs = outputs
         self.leaves = leaves
+        self.world = world
 
 
 class Replica:
@@ -75,6 +77,7 @@ class Replica:
         self.calls: dict[int, _Call] = {}
         self.unfetched: dict[int, tuple[list[torch.Tensor], bool]] = {}
         self._to_release: list[int] = []
+        self.collective: Any = None
         self._holding = False
         self._training = b""
         self._requires_grad = b""
@@ -166,6 +169,13 @@ class Replica:
         self.stage = "idle"
         return P.InitDone(len(self.params), len(self.buffer_views))
 
+    def _enter_collective(self, world: int) -> None:
+        coll = self.collective
+        if coll is not None:
+            coll.world = world
+            coll.seq = 0  # every shard numbers the collectives of this request alike
+        _set_collective(coll)
+
     def _counter(self, j: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple) -> None:
             x = args[0]
@@ -214,13 +224,17 @@ class Replica:
             tensors.append(t)
         args, kwargs = _tree.unflatten(msg.tree, tensors.__getitem__)
         assert self.model is not None
-        with torch.set_grad_enabled(msg.grad):
-            if msg.autocast:
-                device_type, dtype, cache = msg.autocast
-                with torch.autocast(device_type, dtype=DTYPES[dtype], cache_enabled=cache):
+        self._enter_collective(msg.world)
+        try:
+            with torch.set_grad_enabled(msg.grad):
+                if msg.autocast:
+                    device_type, dtype, cache = msg.autocast
+                    with torch.autocast(device_type, dtype=DTYPES[dtype], cache_enabled=cache):
+                        out = self.model(*args, **kwargs)
+                else:
                     out = self.model(*args, **kwargs)
-            else:
-                out = self.model(*args, **kwargs)
+        finally:
+            _set_collective(None)
         self.stage = f"returning outputs of shard {msg.shard}"
         outs: list[torch.Tensor] = []
         spec = _tree.flatten(out, outs)
@@ -228,7 +242,7 @@ class Replica:
             check_tensor(t, f"output tensor {i}")
         differentiable = msg.grad and any(t.requires_grad for t in outs)
         if differentiable:
-            self.calls[msg.call] = _Call(outs, leaves)
+            self.calls[msg.call] = _Call(outs, leaves, msg.world)
         placer = Placer()
         offsets = [placer.reserve(t) for t in outs]
         if placer.offset > msg.outputs[1]:
@@ -268,7 +282,11 @@ class Replica:
             for p in self.params:
                 p.grad = None
         if roots:
-            _run_backward(roots, grads)
+            self._enter_collective(call.world)
+            try:
+                _run_backward(roots, grads)
+            finally:
+                _set_collective(None)
         mask = bytearray(len(self.params))
         self._holding = msg.hold  # no_sync: gradients stay here, accumulating, until a backward without hold
         for i, p in enumerate(self.params):

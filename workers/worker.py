@@ -105,19 +105,26 @@ def main() -> None:
         seq_out += 1
         sock.send(codec.encode(msg, seq_out))
 
+    def recv() -> P.Message:
+        """The next authenticated message from the coordinator."""
+        nonlocal seq_in
+        while True:
+            frames = sock.recv_multipart(copy=True)
+            try:
+                seq, msg = codec.decode(frames)
+                if seq <= seq_in:
+                    raise P.ProtocolError(f"replayed or reordered request (seq {seq} ≤ {seq_in})")
+                seq_in = seq
+                return msg
+            except P.ProtocolError as exc:
+                # Not from our coordinator (or corrupted): never decoded further, never answered
+                # with data. Logged so that the operator can see it.
+                print(f"rejected a control message: {exc}", file=sys.stderr, flush=True)
+
+    replica.collective = _Collective(send, recv)
     send(P.Hello(index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
     while True:
-        frames = sock.recv_multipart(copy=True)
-        try:
-            seq, msg = codec.decode(frames)
-            if seq <= seq_in:
-                raise P.ProtocolError(f"replayed or reordered request (seq {seq} ≤ {seq_in})")
-            seq_in = seq
-        except P.ProtocolError as exc:
-            # Not from our coordinator (or corrupted): never decoded further, never answered
-            # with data. Logged so that the operator can see it.
-            print(f"rejected a control message: {exc}", file=sys.stderr, flush=True)
-            continue
+        msg = recv()
         if isinstance(msg, P.Shutdown):
             break
         try:
@@ -136,6 +143,35 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class CollectiveAborted(RuntimeError):
+    """Another shard of the same call failed while this one waited in a collective."""
+
+
+class _Collective:
+    """All-reduce through the coordinator, for dpool.SyncBatchNorm (see dpool.sync_batchnorm)."""
+
+    def __init__(self, send: Any, recv: Any) -> None:
+        self._send = send
+        self._recv = recv
+        self.world = 1
+        self.seq = 0
+
+    def allreduce(self, t: Any) -> Any:
+        import torch
+
+        from dpool import protocol as P
+
+        data = t.detach().to(torch.float64).contiguous()
+        self.seq += 1
+        self._send(P.AllReduce(self.seq, data.numpy().tobytes()))
+        reply = self._recv()
+        if not isinstance(reply, P.AllReduceDone) or reply.seq != self.seq:
+            raise P.ProtocolError(f"expected allreduce_done {self.seq}, got {reply.op}")
+        if reply.abort:
+            raise CollectiveAborted("another shard of this call failed while this one waited in SyncBatchNorm")
+        return torch.frombuffer(bytearray(reply.data), dtype=torch.float64).to(t.dtype)
 
 
 def _failed(stage: str, exc: BaseException) -> Any:

@@ -1,0 +1,111 @@
+"""Synchronized BatchNorm for dpool's CPU (and any) workers.
+
+``torch.nn.SyncBatchNorm`` needs a process group and refuses CPU tensors. dpool's version
+all-reduces per-channel sums across the shards of a call through the coordinator (see
+``AllReduce`` in :mod:`dpool.protocol`), in float64, so every shard normalises with the
+statistics of the *whole* batch. The all-reduce is an autograd Function whose backward
+all-reduces the gradients, so the gradients equal full-batch BatchNorm's as well. Running
+statistics are updated from the full-batch statistics, identically on every shard.
+
+Outside a dpool worker (the master module used directly, or a single shard) the layer is
+an ordinary BatchNorm.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+
+_CURRENT: Any = None  # set by the worker around a forward/backward: an object with .world, .allreduce()
+
+
+def _set_collective(coll: Any) -> None:
+    global _CURRENT
+    _CURRENT = coll
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, coll: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.coll = coll
+        return coll.allreduce(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        # d(sum over shards)/d(this shard's part) = 1, and every shard's loss depends on the sum:
+        # the gradient of the part is the sum of the shards' gradients of the total.
+        return ctx.coll.allreduce(grad), None
+
+
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    r"""BatchNorm over the whole batch of a dpool call, across worker processes.
+
+    Same arguments as ``torch.nn.BatchNorm2d``; works for inputs of any rank ≥ 2 (channels in
+    dim 1). Build it with :func:`convert_sync_batchnorm`.
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        coll = _CURRENT
+        if not (self.training and coll is not None and coll.world > 1):
+            return super().forward(input)
+        self._check_input_dim(input)
+        c = input.shape[1]
+        dims = [0] + list(range(2, input.dim()))
+        local = torch.cat([
+            input.sum(dims, dtype=torch.float64),
+            (input.double() * input.double()).sum(dims),
+            torch.tensor([input.numel() / c], dtype=torch.float64),
+        ])
+        total = _AllReduce.apply(local, coll)
+        n = total[2 * c]
+        mean = total[:c] / n
+        var = total[c:2 * c] / n - mean * mean  # biased, over the whole batch
+        shape = [1, c] + [1] * (input.dim() - 2)
+        invstd = torch.rsqrt(var + self.eps)
+        out = (input - mean.view(shape).to(input.dtype)) * invstd.view(shape).to(input.dtype)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                f = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                nn_ = float(n)
+                self.running_mean.mul_(1 - f).add_(mean.detach().to(self.running_mean.dtype), alpha=f)
+                unbiased = var.detach() * (nn_ / max(nn_ - 1, 1.0))
+                self.running_var.mul_(1 - f).add_(unbiased.to(self.running_var.dtype), alpha=f)
+        return out
+
+
+def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every BatchNorm layer of ``module`` with :class:`SyncBatchNorm` (in place where possible).
+
+    Parameters and buffers are carried over (the same parameter objects), as
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does. Call it before :func:`dpool.wrap`.
+
+    Example::
+
+        >>> net = dpool.convert_sync_batchnorm(net)
+        >>> model = dpool.wrap(net)
+    """
+    out = module
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
+        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats)
+        if module.affine:
+            with torch.no_grad():
+                out.weight = module.weight
+                out.bias = module.bias
+        out.running_mean = module.running_mean
+        out.running_var = module.running_var
+        out.num_batches_tracked = module.num_batches_tracked
+        out.training = module.training
+    for name, child in module.named_children():
+        out.add_module(name, convert_sync_batchnorm(child))
+    return out
