@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .config import Config
 from .data_parallel import DataParallel, is_wrapped, unwrap, wrap
+from ._criterion import ShardedOutput, criterion
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from .errors import (
     AuthError,
@@ -28,6 +29,8 @@ __all__ = [
     "is_wrapped",
     "DataParallel",
     "SyncBatchNorm",
+    "ShardedOutput",
+    "criterion",
     "convert_sync_batchnorm",
     "Config",
     "DpoolError",

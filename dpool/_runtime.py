@@ -26,7 +26,7 @@ from . import _gather, _scatter, _tree
 from . import protocol as P
 from ._autograd import Bridge, CallState
 from ._layout import Layout
-from ._tensors import Placer, dtype_name, nbytes, read
+from ._tensors import DTYPES, Placer, dtype_name, meta_nbytes as _meta_bytes, nbytes, read
 from .config import Config
 from .errors import RemoteError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
 from .pool import Pool
@@ -78,7 +78,8 @@ class Runtime:
 
     def __init__(self, module: torch.nn.Module, devices: Sequence[str], dim: int, config: Config,
                  worker_threads: int, max_restarts: int = 0, buffers: str = "first",
-                 shard_weights: Sequence[float] | None = None, balance: str | None = None) -> None:
+                 shard_weights: Sequence[float] | None = None, balance: str | None = None,
+                 gather: bool = True) -> None:
         self.module = module
         self.dim = dim
         self.config = config
@@ -120,6 +121,7 @@ class Runtime:
         self._rates = [[0.0, 0.0] for _ in range(self.n)]  # EMA seconds per row: forward, backward
         self.no_sync = False
         self.buffer_policy = buffers
+        self.gather_outputs = gather
         self._epoch_call = 0  # graphs of calls up to this id were lost in a worker restart
         self.pool = Pool(devices, config, worker_threads)
         try:
@@ -293,7 +295,8 @@ class Runtime:
                 del self._live[call]
                 self._release.add(call)
                 for regions in self._regions:
-                    regions.pop(call, None)
+                    for key in [key for key in regions if key == call or (isinstance(key, tuple) and key[0] == call)]:
+                        del regions[key]
         out = sorted(self._release)
         self._release.clear()
         return out
@@ -377,7 +380,7 @@ class Runtime:
                 out = self._ensure(s, "out", 0)
                 msgs[s] = P.Forward(call, pool.step, grad, training, requires_grad,
                                     self.layout.buffer_range is not None, seg.ref(), out.ref(), spec, metas, s,
-                                    k, autocast, release)
+                                    k, not self.gather_outputs, autocast, release)
         except BaseException:
             pool.unlink_segments()  # segments made for this call were never announced to a worker
             self._release.update(release)
@@ -406,7 +409,15 @@ class Runtime:
                           [[t.shape for t in shards[s]] for s in range(k)])
         diff_inputs = [t for t, r in zip(tensors, rg) if r]
         diff_params = [p for p in self.params if p.requires_grad] if grad else []
-        if grad and any(state.differentiable):
+        if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
+            from ._criterion import ShardedOutput
+
+            handle = ShardedOutput(self, state, specs, diff_inputs)
+            self._live[call] = weakref.ref(handle)
+            for s in range(k):
+                self._regions[s][call] = spans[s]
+            gathered = None
+        elif grad and any(state.differentiable):
             gathered = Bridge.apply(state, *diff_inputs, *diff_params)
             if not isinstance(gathered, tuple):
                 gathered = (gathered,)
@@ -428,7 +439,66 @@ class Runtime:
                                  [replies[s].stats for s in range(k)],
                                  [bn.training for bn, *_ in self._buffers.batchnorms])
         state.rows = rows
+        if gathered is None:
+            return handle
         return _gather.build(specs, iter(gathered))
+
+    # ------------------------------------------------------------------ loss on the workers
+    def criterion(self, handle: Any, crit: Any, targets: tuple) -> torch.Tensor:
+        """Compute ``crit`` on every shard of ``handle`` (see :mod:`dpool._criterion`)."""
+        from ._criterion import combine
+
+        pool, state = self.pool, handle._state
+        pool.check_usable()
+        if state.call <= self._epoch_call or state.call not in self._live:
+            raise RuntimeError("the outputs of this forward are no longer on the workers (released or restarted)")
+        tensors: list[torch.Tensor] = []
+        spec = _tree.flatten(tuple(targets), tensors)
+        k, rows = state.k, state.rows
+        msgs: dict[int, P.Message] = {}
+        for t in tensors:
+            if t.dim() > self.dim and t.size(self.dim) != sum(rows):
+                raise ValueError(f"target has {t.size(self.dim)} rows along dim {self.dim}, the output {sum(rows)}")
+        shards = _scatter.shard_views(tensors, [rows if t.dim() > self.dim else None for t in tensors], k, self.dim)
+        for s in range(k):
+            placer = Placer()
+            offs = [placer.reserve(t) for t in shards[s]]
+            seg, start = self._input_region(s, placer.offset)
+            metas = [Placer.write(seg.views, start + o, t) for o, t in zip(offs, shards[s])]
+            # the loss graph may save the targets: keep their region until the call is released
+            self._regions[s][(state.call, "targets", len(self._regions[s]))] = (seg, start, start + placer.offset)
+            msgs[s] = P.Criterion(state.call, crit._bytes, spec, metas, seg.ref())
+        replies = self._request(msgs, "computing the loss")
+        pool.unlink_segments()
+        self._raise_failures(replies, "criterion")
+        dtype = next((DTYPES[m[0]] for m in state.metas[0] if DTYPES[m[0]].is_floating_point), torch.float32)
+        return combine(self, handle, [replies[s] for s in range(k)], dtype, crit.reduction)
+
+    def gather_kept(self, handle: Any) -> Any:
+        """Gather outputs kept on the workers, through the autograd bridge."""
+        from ._criterion import build_output
+
+        state = handle._state
+        self.pool.check_usable()
+        if state.call <= self._epoch_call or state.call not in self._live:
+            raise RuntimeError("the outputs of this forward are no longer on the workers (released or restarted)")
+        msgs = {s: P.Fetch(state.call, self._ensure(s, "out", sum(
+            _meta_bytes(m) for m in state.metas[s]) or 64).ref()) for s in range(state.k)}
+        replies = self._request(msgs, "returning outputs")
+        self.pool.unlink_segments()
+        self._raise_failures(replies, "gather")
+        state.metas = [replies[s].tensors for s in range(state.k)]
+        state.outs = [self._io[s]["out"].seg for s in range(state.k)]
+        grad_inputs = handle._diff_inputs + [p for p in self.params if p.requires_grad]
+        if torch.is_grad_enabled() and grad_inputs and any(state.differentiable):
+            gathered = Bridge.apply(state, *grad_inputs)
+            state.ctx.handle = handle  # the gathered output's graph keeps the outputs on the workers alive
+            state.ctx = None
+            if not isinstance(gathered, tuple):
+                gathered = (gathered,)
+        else:
+            gathered = state.gather()
+        return build_output(handle, list(gathered))
 
     def _observe(self, w: int, phase: int, busy: float, rows: int) -> None:
         rate = busy / max(rows, 1)
@@ -447,7 +517,10 @@ class Runtime:
         return self._module_list
 
     # ------------------------------------------------------------------ backward
-    def backward(self, state: CallState, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
+                 pieces: list[list[torch.Tensor | None]] | None = None) -> list[torch.Tensor | None]:
+        """Backpropagate on the workers. ``pieces``: per shard, gradients by worker output index
+        (given directly for losses computed on the workers); otherwise sliced from ``grads``."""
         pool = self.pool
         pool.check_usable()
         if state.call <= self._epoch_call:
@@ -460,11 +533,11 @@ class Runtime:
             self._release.update(release)  # piggybacked on the next forward
         msgs: dict[int, P.Message] = {}
         for s in range(state.k):
-            pieces = state.grad_pieces(grads, s)
+            mine = pieces[s] if pieces is not None else state.grad_pieces(grads, s)
             placer = Placer()
-            offs = [placer.reserve(g) if g is not None else None for g in pieces]
+            offs = [placer.reserve(g) if g is not None else None for g in mine]
             seg = self._ensure(s, "gout", placer.offset)
-            gmetas = [Placer.write(seg.views, o, g) if g is not None else None for o, g in zip(offs, pieces)]
+            gmetas = [Placer.write(seg.views, o, g) if g is not None else None for o, g in zip(offs, mine)]
             gin = self._ensure(s, "gin", state.gin_sizes[s])
             msgs[s] = P.Backward(state.call, pool.step, seg.ref(), gmetas, gin.ref(), self.no_sync)
         replies = self._request(msgs, "running backward")

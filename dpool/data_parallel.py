@@ -76,6 +76,9 @@ class DataParallel(nn.Module):
             worker gets (e.g. ``[2, 1]``); default: even shards.
         balance (str, optional): ``"auto"`` derives the shares from measured
             per-worker step times, so a slower worker gets a smaller shard.
+        gather (bool): ``False`` keeps outputs on the workers: a forward returns a
+            :class:`dpool.ShardedOutput` for :func:`dpool.criterion` (loss computed on
+            the workers) or for ``.gather()``. Default: ``True``.
         coordinator_threads (int, optional): torch threads of this process
             while the pool is open, so that it does not compete with the
             workers for cores; restored by :meth:`close`. ``None`` leaves the
@@ -113,6 +116,7 @@ class DataParallel(nn.Module):
         buffers: str = "first",
         shard_weights: Sequence[float] | None = None,
         balance: str | None = None,
+        gather: bool = True,
         config: Config | None = None,
         **options: Any,
     ) -> None:
@@ -143,7 +147,8 @@ class DataParallel(nn.Module):
         self._runtime: Runtime | None = None
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
-        self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance)
+        self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
+                                gather)
         if coordinator_threads is not None:
             torch.set_num_threads(coordinator_threads)
         else:

@@ -474,6 +474,8 @@ class Pool:
         hb_timeout_ns = int(self.config.heartbeat_timeout_s * 1e9)
         tick = max(0.01, min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s / 4))
         while need:
+            if self._closed:  # close() from another thread: it killed the workers, which woke us
+                raise PoolBrokenError(f"the pool was closed (from another thread) while {stage} at step {self.step}")
             now = time.monotonic()
             if now >= deadline:
                 idx = min(need)

@@ -50,6 +50,8 @@ __all__ = [
     "Fetch",
     "Backward",
     "BackwardDone",
+    "Criterion",
+    "CriterionDone",
     "Release",
     "ReleaseDone",
     "Call",
@@ -157,6 +159,7 @@ class InitDone(Message):
     tensors=_LIST,
     shard=_INT,
     world=_INT,
+    keep=_BOOL,
     autocast=(list, _NONE),
     release=_LIST,
 )
@@ -180,6 +183,7 @@ class Forward(Message):
     tensors: list
     shard: int
     world: int
+    keep: bool
     autocast: list | None
     release: list
 
@@ -232,6 +236,27 @@ class BackwardDone(Message):
     param_mask: bytes
     input_grads: list
     busy: float
+
+
+@_message("criterion", call=_INT, fn=_BYTES, tree=(object,), tensors=_LIST, inputs=_LIST)
+class Criterion(Message):
+    """Apply a pickled loss module to the outputs ``call`` kept (``gather=False``) and this shard's targets."""
+
+    call: int
+    fn: bytes
+    tree: Any
+    tensors: list
+    inputs: SegRef
+
+
+@_message("criterion_done", call=_INT, index=_INT, value=(float,), denom=(float,))
+class CriterionDone(Message):
+    """The shard's summed loss (kept as output ``index`` of the call, for backward) and its denominator."""
+
+    call: int
+    index: int
+    value: float
+    denom: float
 
 
 @_message("release", calls=_LIST)
@@ -304,7 +329,7 @@ MESSAGES: dict[str, type[Message]] = {
     cls.op: cls  # type: ignore[misc]
     for cls in (
         Hello, Init, InitDone, Forward, ForwardDone, Fetch, Backward, BackwardDone,
-        Release, ReleaseDone, Call, CallDone, AllReduce, AllReduceDone, Shutdown, Failed,
+        Criterion, CriterionDone, Release, ReleaseDone, Call, CallDone, AllReduce, AllReduceDone, Shutdown, Failed,
     )
 }
 

@@ -248,3 +248,43 @@ def test_sync_batchnorm_failure_on_one_shard_does_not_hang(wrap):
         model(x)
     assert info.value.worker == 1
     model(torch.randn(8, 3)).sum().backward()  # the pool is fine afterwards
+
+
+@pytest.mark.parametrize("loss_fn", [
+    nn.CrossEntropyLoss(),
+    nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0, 0.5, 2.0], dtype=torch.float64), ignore_index=2),
+    nn.CrossEntropyLoss(reduction="sum", label_smoothing=0.1),
+    nn.MSELoss(),
+], ids=["ce", "ce_weighted_ignore", "ce_sum_smoothing", "mse"])
+def test_loss_on_the_workers_equals_full_batch(wrap, loss_fn):
+    torch.manual_seed(0)
+    net = models.MLP(d_out=4).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * 3, gather=False)
+    crit = dpool.criterion(loss_fn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(10, 12, dtype=torch.float64)  # 10 rows on 3 workers: unequal shards 4, 3, 3
+        y = torch.randint(0, 4, (10,)) if not isinstance(loss_fn, nn.MSELoss) else torch.randn(10, 4, dtype=torch.float64)
+        out = model(x)
+        assert isinstance(out, dpool.ShardedOutput) and out.shard_sizes == [4, 3, 3]
+        loss = crit(out, y)
+        rloss = loss_fn(ref(x), y)
+        torch.testing.assert_close(loss, rloss)
+        loss.backward()
+        rloss.backward()
+        for p, rp in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, rp.grad)
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    x = torch.randn(7, 12, dtype=torch.float64)
+    out = model(x)
+    gathered = out.gather()  # the usual output, still differentiable
+    torch.testing.assert_close(gathered, ref(x))
+    gathered.sum().backward()
+    ref(x).sum().backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)

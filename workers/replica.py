@@ -45,6 +45,31 @@ def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     engine.run_backward(tuple(roots), tuple(grads), True, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
+def _sum_and_denominator(loss_fn: Any, out: Any, args: tuple) -> tuple[torch.Tensor, float]:
+    """The shard's loss with ``reduction="sum"`` and what the mean divides by, so that the
+    coordinator's ``sum(totals) / sum(denominators)`` equals the full-batch mean exactly
+    (class weights and ``ignore_index`` included)."""
+    import copy
+
+    summed = copy.copy(loss_fn)
+    summed.reduction = "sum"
+    total = summed(out, *args)
+    target = args[0] if args else None
+    if isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) and isinstance(target, torch.Tensor) \
+            and not target.is_floating_point():
+        valid = target != loss_fn.ignore_index
+        if loss_fn.weight is not None:
+            denom = float(loss_fn.weight[target.clamp(min=0)][valid].sum())
+        else:
+            denom = float(valid.sum())
+    else:
+        unreduced = copy.copy(loss_fn)
+        unreduced.reduction = "none"
+        with torch.no_grad():
+            denom = float(unreduced(out, *args).numel())
+    return total, denom
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, load: Callable[[Any], Any]) -> None:
         super().__init__(io.BytesIO(data))
@@ -55,12 +80,15 @@ class _Unpickler(pickle.Unpickler):
 
 
 class _Call:
-    __slots__ = ("outputs", "leaves", "world")
+    __slots__ = ("outputs", "leaves", "world", "out", "n_out")
 
-    def __init__(self, outputs: list[torch.Tensor], leaves: list[torch.Tensor | None], world: int) -> None:
-        self.outputs = outputs
+    def __init__(self, outputs: list[torch.Tensor], leaves: list[torch.Tensor | None], world: int,
+                 out: Any = None) -> None:
+        self.outputs = outputs  # the output tensors, then any losses computed on them (criterion)
         self.leaves = leaves
         self.world = world
+        self.out = out  # the structured output, for criterion (gather=False)
+        self.n_out = len(outputs)
 
 
 class Replica:
@@ -88,6 +116,7 @@ class Replica:
             "backward": self.backward,
             "release": self.release,
             "call": self.call,
+            "criterion": self.criterion,
         }
 
     # ---------------------------------------------------------------- plumbing
@@ -241,8 +270,8 @@ class Replica:
         for i, t in enumerate(outs):
             check_tensor(t, f"output tensor {i}")
         differentiable = msg.grad and any(t.requires_grad for t in outs)
-        if differentiable:
-            self.calls[msg.call] = _Call(outs, leaves, msg.world)
+        if differentiable or msg.keep:
+            self.calls[msg.call] = _Call(outs, leaves, msg.world, out if msg.keep else None)
         placer = Placer()
         offsets = [placer.reserve(t) for t in outs]
         if placer.offset > msg.outputs[1]:
@@ -254,7 +283,11 @@ class Replica:
         return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.perf_counter() - t0)
 
     def fetch(self, msg: P.Fetch) -> P.Message:
-        outs, grad = self.unfetched.pop(msg.call)
+        if msg.call in self.unfetched:
+            outs, grad = self.unfetched.pop(msg.call)
+        else:  # outputs kept on the worker (gather=False), gathered later
+            kept = self.calls[msg.call]
+            outs, grad = kept.outputs[: kept.n_out], any(t.requires_grad for t in kept.outputs)
         seg = self._seg("out", msg.outputs)
         placer = Placer()
         metas = [Placer.write(seg.views, placer.reserve(t), t, grad and t.requires_grad) for t in outs]
@@ -310,6 +343,28 @@ class Replica:
             leaf.grad = None
         self.stage = "idle"
         return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------- loss on the workers
+    def criterion(self, msg: P.Criterion) -> P.Message:
+        self.stage = "computing the loss"
+        call = self.calls.get(msg.call)
+        if call is None or call.out is None:
+            raise RuntimeError("the outputs of this call are no longer kept on the worker (released)")
+        inp = self._seg("in", msg.inputs)
+        tensors = [read(inp.views, m) for m in msg.tensors]
+        args = _tree.unflatten(msg.tree, tensors.__getitem__)
+        loss_fn = _tree.load_type(msg.fn)  # cached: the same criterion is sent every step
+        reduction = getattr(loss_fn, "reduction", "mean")
+        with torch.set_grad_enabled(any(t.requires_grad for t in call.outputs)):
+            if reduction == "sum":
+                total, denom = loss_fn(call.out, *args), 1.0
+            elif reduction == "mean":
+                total, denom = _sum_and_denominator(loss_fn, call.out, args)
+            else:
+                raise ValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
+        call.outputs.append(total)
+        self.stage = "idle"
+        return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom))
 
     # ---------------------------------------------------------------- misc
     def release(self, msg: P.Release) -> P.Message:
