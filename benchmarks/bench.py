@@ -232,6 +232,44 @@ def chart(results: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+class _SlowOnOneWorker(torch.nn.Module):
+    """The MLP workload, plus 50 µs per row on the worker whose pid is ``slow_pid`` (a slower machine)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.slow_pid = -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if os.getpid() == self.slow_pid:
+            time.sleep(50e-6 * x.shape[0])
+        return self.inner(x)
+
+
+def balance_demo(steps: int, repeats: int) -> str:
+    """samples/s with one deliberately slowed worker: even shards against balance="auto"."""
+    import dpool
+
+    w = WORKLOADS["mlp"]
+    g = torch.Generator().manual_seed(0)
+    data = [w.batch(w.global_batch, g) for _ in range(4)]
+    rows = []
+    for mode in ("even", "auto"):
+        torch.manual_seed(0)
+        model = dpool.wrap(_SlowOnOneWorker(w.make()), ["cpu", "cpu"], balance="auto" if mode == "auto" else None)
+        slow = model.pids[1]
+        model.worker_states(lambda m, p=slow: setattr(m, "slow_pid", p))
+        opt = torch.optim.SGD(model.parameters(), lr=w.lr)
+        _steps(model, opt, w, data, 5)
+        times = [_steps(model, opt, w, data, steps) for _ in range(repeats)]
+        shares = model._runtime.shard_weights()
+        model.close()
+        sps = w.global_batch * steps / statistics.median(times)
+        share = "even" if shares is None else "/".join(f"{x / sum(shares):.2f}" for x in shares)
+        rows.append(f"| {mode} | {sps:.0f} | {share} |")
+    return "\n".join(["| shards (worker 1 slowed by 50 µs/row) | samples/s | shares (worker 0/1) |", "|---|---|---|", *rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mlp,cnn,lstm,probe")
@@ -241,12 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="2 steps, 1 repeat: checks that the benchmark runs")
+    ap.add_argument("--balance-demo", action="store_true",
+                    help="only the balanced-shards demo: one slowed worker, even shards against balance='auto'")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args(argv)
     workloads = a.workloads.split(",")
     setups = a.setups.split(",")
     if a.smoke:
         a.steps, a.warmup, a.repeats = 2, 1, 1
+    if a.balance_demo:
+        torch.set_num_threads(1)
+        print(balance_demo(a.steps or (3 if a.smoke else 30), a.repeats))
+        return 0
     all_results: dict[str, Any] = {}
     for wname in workloads:
         steps = a.steps or {"mlp": 30, "cnn": 4, "lstm": 10, "probe": 300}[wname]

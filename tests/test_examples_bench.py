@@ -44,3 +44,9 @@ def test_benchmark_smoke(tmp_path):
         assert all(v["samples_per_s"] > 0 for v in setups.values())
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert "| probe |" in res.stdout
+
+
+def test_benchmark_balance_demo_smoke():
+    res = _run(["benchmarks/bench.py", "--smoke", "--balance-demo"])
+    assert res.returncode == 0, res.stderr
+    assert "| even |" in res.stdout and "| auto |" in res.stdout
