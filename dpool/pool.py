@@ -237,16 +237,7 @@ class Pool:
         self._await_hello(set(indices))
 
     def _reap_one(self, w: _Worker) -> None:
-        proc = getattr(w, "proc", None)
-        if proc is not None:
-            if proc.poll() is None:
-                try:
-                    os.kill(proc.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-                proc.kill()
-            proc.wait()
-        w.alive = False
+        _kill_and_join(w)
         fd = getattr(w, "pidfd", None)
         if fd is not None:
             try:
@@ -602,17 +593,7 @@ class Pool:
                 except subprocess.TimeoutExpired:
                     pass
         for w in self.workers:
-            proc = getattr(w, "proc", None)
-            if proc is None:
-                continue
-            if proc.poll() is None:
-                try:
-                    os.kill(proc.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-                proc.kill()
-            proc.wait()
-            w.alive = False
+            _kill_and_join(w)
 
     def close(self) -> None:
         """End the workers and free every resource. Idempotent; returns when all workers are joined."""
@@ -657,11 +638,22 @@ class Pool:
         return self._broken
 
 
+def _kill_and_join(w: _Worker) -> None:
+    """SIGKILL a worker (waking it first if it is stopped) and reap it; no-op if already gone."""
+    proc = getattr(w, "proc", None)
+    if proc is not None:
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            proc.kill()
+        proc.wait()
+    w.alive = False
+
+
 def _reap(workers: list[_Worker], segments: list[Segment]) -> None:  # pragma: no cover - GC / exit path
     for w in workers:
-        proc = getattr(w, "proc", None)
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill_and_join(w)
     for seg in segments:
         seg.unlink()

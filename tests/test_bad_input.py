@@ -224,7 +224,7 @@ def test_foreign_peer_cannot_break_or_feed_the_pool(tmp_path):
         def __reduce__(self):
             return (open, (str(canary), "w"))
 
-    model = dpool.wrap(Identity(), ["cpu", "cpu"])
+    model = dpool.wrap(Identity(), ["cpu", "cpu"], max_message_bytes=1 << 20)
     try:
         pool = model._runtime.pool
         ctx = zmq.Context()
@@ -234,7 +234,8 @@ def test_foreign_peer_cannot_break_or_feed_the_pool(tmp_path):
         rogue.connect(pool.endpoint)
         evil = pickle.dumps(Canary())
         payload = msgpack.packb([1, "call_done", 99, [evil]])
-        for frame in ([b"\x00" * 32 + payload], [payload], [b"junk", b"more"]):
+        oversized = [b"\x00" * 32 + b"\x00" * (2 << 20)]  # past ZMQ_MAXMSGSIZE: the peer is cut off
+        for frame in ([b"\x00" * 32 + payload], [payload], [b"junk", b"more"], oversized):
             rogue.send_multipart(frame)
         x = torch.randn(6, 2)
         for _ in range(3):
