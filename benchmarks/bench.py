@@ -270,6 +270,40 @@ def balance_demo(steps: int, repeats: int) -> str:
     return "\n".join(["| shards (worker 1 slowed by 50 µs/row) | samples/s | shares (worker 0/1) |", "|---|---|---|", *rows])
 
 
+def attach_demo(repeats: int) -> str:
+    """Time from dpool.wrap() to the end of the first training step: a warm daemon against spawning."""
+    import subprocess
+    import uuid
+
+    import dpool
+
+    w = WORKLOADS["cnn"]
+    g = torch.Generator().manual_seed(0)
+    x, y = w.batch(64, g)
+    name = "bench" + uuid.uuid4().hex[:6]
+    cli = [sys.executable, "-m", "workers.daemon"]
+    subprocess.run(cli + ["start", "--name", name, "--device-ids", "cpu,cpu"], check=True, capture_output=True)
+    times: dict[str, list[float]] = {"embedded (spawn)": [], "attached (warm daemon)": []}
+    try:
+        for _ in range(repeats):
+            for label, kw in (("embedded (spawn)", {"device_ids": ["cpu", "cpu"]}), ("attached (warm daemon)", {"pool": name})):
+                torch.manual_seed(0)
+                net = w.make()
+                t0 = time.perf_counter()
+                model = dpool.wrap(net, **kw)
+                opt = torch.optim.SGD(model.parameters(), lr=w.lr)
+                w.loss(model(x), y).backward()
+                opt.step()
+                times[label].append(time.perf_counter() - t0)
+                model.close()
+    finally:
+        subprocess.run(cli + ["stop", "--name", name], capture_output=True)
+    emb, att = (statistics.median(v) for v in times.values())
+    rows = [f"| {k} | {statistics.median(v) * 1000:.0f} ms ({min(v) * 1000:.0f}–{max(v) * 1000:.0f}) |" for k, v in times.items()]
+    return "\n".join(["| wrap() → end of first step (cnn, batch 64, 2 workers) | median (min–max) |", "|---|---|",
+                      *rows, f"| **attached speed-up** | **{emb / att:.1f}×** |"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mlp,cnn,lstm,probe")
@@ -279,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="2 steps, 1 repeat: checks that the benchmark runs")
+    ap.add_argument("--attach-demo", action="store_true",
+                    help="only the start-up measurement: wrap() to first step, warm daemon against spawning")
     ap.add_argument("--balance-demo", action="store_true",
                     help="only the balanced-shards demo: one slowed worker, even shards against balance='auto'")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -287,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     setups = a.setups.split(",")
     if a.smoke:
         a.steps, a.warmup, a.repeats = 2, 1, 1
+    if a.attach_demo:
+        torch.set_num_threads(1)
+        print(attach_demo(1 if a.smoke else a.repeats))
+        return 0
     if a.balance_demo:
         torch.set_num_threads(1)
         print(balance_demo(a.steps or (3 if a.smoke else 30), a.repeats))

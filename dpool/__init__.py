@@ -11,6 +11,7 @@ from ._criterion import ShardedOutput, criterion
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from .errors import (
     AuthError,
+    DaemonLostError,
     DpoolError,
     PoolBrokenError,
     ProtocolError,
@@ -39,6 +40,7 @@ __all__ = [
     "WorkerTimeoutError",
     "WorkerStartError",
     "PoolBrokenError",
+    "DaemonLostError",
     "ProtocolError",
     "AuthError",
     "SharedMemoryError",

@@ -79,7 +79,7 @@ class Runtime:
     def __init__(self, module: torch.nn.Module, devices: Sequence[str], dim: int, config: Config,
                  worker_threads: int, max_restarts: int = 0, buffers: str = "first",
                  shard_weights: Sequence[float] | None = None, balance: str | None = None,
-                 gather: bool = True) -> None:
+                 gather: bool = True, attach: str | None = None) -> None:
         self.module = module
         self.dim = dim
         self.config = config
@@ -123,7 +123,9 @@ class Runtime:
         self.buffer_policy = buffers
         self.gather_outputs = gather
         self._epoch_call = 0  # graphs of calls up to this id were lost in a worker restart
-        self.pool = Pool(devices, config, worker_threads)
+        if attach is not None and max_restarts:
+            raise ValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
+        self.pool = Pool(devices, config, worker_threads, attach=attach)
         try:
             self._start()
         except BaseException:
@@ -136,7 +138,8 @@ class Runtime:
         # Workers map the parameters through an inherited fd, so the name can go at once
         # (and a respawned worker can still map them).
         self.master = pool.new_segment(layout.size, min_size=64, keep_fd=True)
-        self.master.unlink()
+        if pool.attach is None:
+            self.master.unlink()  # attached (daemon) workers map it by name, until their init is done
         self.param_views = []
         for p, off in zip(self.params, layout.param_offsets):
             v = standalone_view(self.master.mmap, off, p.dtype, p.shape)
@@ -180,7 +183,8 @@ class Runtime:
         pl = Layout.wire(self.params, layout.param_offsets, True)
         bl = Layout.wire(self.buffers, layout.buffer_offsets, False)
         msgs = {
-            i: P.Init(self._model_bytes, [p for p in sys.path if isinstance(p, str)], self.master.fd_ref(),
+            i: P.Init(self._model_bytes, [p for p in sys.path if isinstance(p, str)],
+                      self.master.ref() if pool.attach is not None else self.master.fd_ref(),
                       self.states[i].ref(), pl, bl, pool.threads, {"bn_counts": self._buffers.needs_counts})
             for i in indices
         }

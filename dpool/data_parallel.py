@@ -76,6 +76,9 @@ class DataParallel(nn.Module):
             worker gets (e.g. ``[2, 1]``); default: even shards.
         balance (str, optional): ``"auto"`` derives the shares from measured
             per-worker step times, so a slower worker gets a smaller shard.
+        pool (str, optional): attach to the warm workers of the running
+            ``dpool-workers`` pool of that name instead of spawning workers (also
+            chosen by the ``DPOOL_POOL`` environment variable).
         gather (bool): ``False`` keeps outputs on the workers: a forward returns a
             :class:`dpool.ShardedOutput` for :func:`dpool.criterion` (loss computed on
             the workers) or for ``.gather()``. Default: ``True``.
@@ -117,6 +120,7 @@ class DataParallel(nn.Module):
         shard_weights: Sequence[float] | None = None,
         balance: str | None = None,
         gather: bool = True,
+        pool: str | None = None,
         config: Config | None = None,
         **options: Any,
     ) -> None:
@@ -124,7 +128,16 @@ class DataParallel(nn.Module):
         torch._C._log_api_usage_once("dpool.DataParallel")
         if not isinstance(module, nn.Module):
             raise TypeError(f"dpool.wrap expects an nn.Module, got {type(module).__name__}")
-        devices = _parse_devices(device_ids)
+        pool = pool if pool is not None else (os.environ.get("DPOOL_POOL") or None)
+        if pool is not None:  # attach to a running dpool-workers daemon: its devices
+            from workers.daemon import read_pool
+
+            state, _ = read_pool(pool)
+            devices = list(state["devices"])
+            if device_ids is not None and _parse_devices(device_ids) != devices:
+                raise ValueError(f"device_ids {list(device_ids)} differ from pool {pool!r}'s devices {devices}")
+        else:
+            devices = _parse_devices(device_ids)
         if any(d != "cpu" for d in devices):
             raise NotImplementedError(
                 f"device_ids {devices}: CUDA workers are not implemented yet in this dpool version; "
@@ -148,7 +161,7 @@ class DataParallel(nn.Module):
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
         self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
-                                gather)
+                                gather, pool)
         if coordinator_threads is not None:
             torch.set_num_threads(coordinator_threads)
         else:

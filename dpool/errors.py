@@ -11,6 +11,7 @@ Hierarchy::
     ├── WorkerTimeoutError     no heartbeat, or a step passed its deadline
     ├── WorkerStartError       a worker failed to start or to load the model
     ├── PoolBrokenError        the pool is unusable after an earlier failure
+    ├── DaemonLostError        the dpool-workers daemon of an attached pool is gone
     ├── ProtocolError          a malformed, oversized or foreign message
     │   └── AuthError          a message failed authentication
     └── SharedMemoryError      shared memory could not be allocated
@@ -26,6 +27,7 @@ __all__ = [
     "WorkerTimeoutError",
     "WorkerStartError",
     "PoolBrokenError",
+    "DaemonLostError",
     "ProtocolError",
     "AuthError",
     "SharedMemoryError",
@@ -119,6 +121,10 @@ class WorkerTimeoutError(DpoolError):
 
 class WorkerStartError(DpoolError):
     """A worker could not start, connect or load the model during ``wrap()``."""
+
+
+class DaemonLostError(DpoolError):
+    """The ``dpool-workers`` daemon this model was attached to died or was stopped."""
 
 
 class PoolBrokenError(DpoolError):

@@ -79,6 +79,7 @@ import zmq
 from . import protocol as P
 from .config import Config
 from .errors import (
+    DaemonLostError,
     DpoolError,
     PoolBrokenError,
     ProtocolError,
@@ -164,7 +165,9 @@ class Pool:
         threads: torch intra-op threads for each worker.
     """
 
-    def __init__(self, devices: Sequence[str], config: Config, threads: int) -> None:
+    def __init__(self, devices: Sequence[str], config: Config, threads: int, attach: str | None = None) -> None:
+        self.attach = attach  # name of a dpool-workers pool to borrow workers from, or None: spawn our own
+        self.daemon_pid = -1
         self.devices = list(devices)
         self.config = config
         self.threads = threads
@@ -204,7 +207,8 @@ class Pool:
             self._poller.register(self._sock, zmq.POLLIN)
             # Heartbeat slots: one int64 (CLOCK_MONOTONIC ns) per worker, passed to workers by fd.
             self.control = self.new_segment(8 * max(1, len(self.devices)), min_size=4096, keep_fd=True)
-            self.control.unlink()
+            if attach is None:
+                self.control.unlink()  # our own workers map it by inherited fd
             self.control.u8[: 8 * len(self.devices)].view(torch.int64).fill_(time.monotonic_ns())
             self._beats = memoryview(self.control.mmap).cast("q")  # plain ints: no tensor op per check
         except BaseException:
@@ -216,12 +220,43 @@ class Pool:
         assert self.control.fd is not None
         self._pass_fds = [self.control.fd, *fds]
         try:
-            for w in self.workers:
-                self._spawn(w)
+            if self.attach is not None:
+                self._attach_daemon()
+            else:
+                for w in self.workers:
+                    self._spawn(w)
             self._await_hello({w.index for w in self.workers})
+            self.control.unlink()
         except BaseException:
             self.close()
             raise
+
+    def _attach_daemon(self) -> None:
+        """Borrow the warm workers of the ``dpool-workers`` pool ``self.attach`` (see workers/daemon.py)."""
+        from workers.daemon import read_pool, request
+
+        name = self.attach
+        assert name is not None
+        state, _ = read_pool(name)
+        self.daemon_pid = int(state["pid"])
+        self._daemon_fd = os.pidfd_open(self.daemon_pid)  # readable once it exits (zombie or not)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        ask = P.AttachRequest(os.getpid(), self.endpoint, self._key, self.control.ref(), P.PROTOCOL_VERSION,
+                              self.config.max_message_bytes)
+        while True:
+            reply = request(name, ask, timeout=5.0)
+            if reply.ok:
+                break
+            if reply.error.startswith("busy") and time.monotonic() < deadline:
+                time.sleep(0.05)  # the previous client's workers are still releasing its memory
+                continue
+            raise WorkerStartError(f"cannot attach to dpool-workers pool {name!r}: {reply.error}")
+        self.threads = reply.threads
+        for idx, device, pid, ident in reply.workers:
+            w = self.workers[idx]
+            w.device, w.pid, w.ident, w.proc = device, pid, ident, None
+            w.pidfd = os.pidfd_open(pid)
+            self._poller.register(w.pidfd, zmq.POLLIN)
 
     def respawn(self, indices: Sequence[int]) -> None:
         """Replace the (dead or hung) workers ``indices`` by fresh processes; they still need ``init``."""
@@ -520,10 +555,25 @@ class Pool:
             return
         for w in dead:
             w.alive = False
-            w.proc.wait()
+            if w.proc is not None:
+                w.proc.wait()
         self._raise_dead(dead[0], stage, others=dead[1:])
 
     def _raise_dead(self, w: _Worker, stage: str, others: Sequence[_Worker] = (), detail: str = "") -> None:
+        if w.proc is None:  # a daemon's worker: not our child, so no exit status
+            fd = getattr(self, "_daemon_fd", None)
+            if fd is not None and select.select([fd], [], [], 0.2)[0]:
+                raise DaemonLostError(
+                    f"the dpool-workers daemon of pool {self.attach!r} (pid {self.daemon_pid}) is gone: {w.where()} "
+                    f"exited while {stage} at step {self.step}. The master module is unchanged (dpool.unwrap(model) "
+                    f"returns it); start the pool again (dpool-workers start --name {self.attach}) and wrap again."
+                )
+            raise WorkerDiedError(
+                f"{w.where()} of dpool-workers pool {self.attach!r} died while {stage} at step {self.step}; the "
+                f"daemon restarts it (see dpool-workers status --name {self.attach}).",
+                worker=w.index, device=w.device, pid=w.pid, step=self.step,
+                workers=[w.index] + [o.index for o in others],
+            )
         if w.proc.poll() is None:
             try:
                 w.proc.wait(timeout=1.0)
@@ -560,11 +610,15 @@ class Pool:
         try:
             os.kill(w.pid, signal.SIGCONT)
             os.kill(w.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
-            try:
-                w.proc.wait(timeout=0.3)
-            except subprocess.TimeoutExpired:
-                pass
-            w.proc.kill()
+            if w.proc is not None:
+                try:
+                    w.proc.wait(timeout=0.3)
+                except subprocess.TimeoutExpired:
+                    pass
+                w.proc.kill()
+            else:  # a daemon's worker: the daemon reaps and respawns it
+                time.sleep(0.3)
+                os.kill(w.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -576,6 +630,9 @@ class Pool:
 
     # ------------------------------------------------------------------ close
     def _terminate_workers(self, grace: float) -> None:
+        if self.attach is not None:
+            self._detach_daemon()
+            return
         if grace > 0:
             for w in self.workers:
                 if w.alive and getattr(w, "proc", None) is not None and w.proc.poll() is None and not self._in_round:
@@ -594,6 +651,24 @@ class Pool:
                     pass
         for w in self.workers:
             _kill_and_join(w)
+
+    def _detach_daemon(self) -> None:
+        """Give the daemon's workers back: each drops our replica and memory; then the lease is freed."""
+        for w in self.workers:
+            if w.alive and getattr(w, "pidfd", None) is not None and not self._in_round:
+                try:
+                    self._sock.send_multipart([w.ident, self.codec.encode(P.Shutdown(), self._seq_out + 1)], zmq.NOBLOCK)
+                    self._seq_out += 1
+                except zmq.ZMQError:
+                    pass
+            w.alive = False
+        try:
+            from workers.daemon import request
+
+            assert self.attach is not None
+            request(self.attach, P.DetachRequest(os.getpid()), timeout=2.0)
+        except Exception:
+            pass  # the daemon is gone, or will notice our exit through our pidfd
 
     def close(self) -> None:
         """End the workers and free every resource. Idempotent; returns when all workers are joined."""
@@ -625,6 +700,10 @@ class Pool:
         for seg in self._segments:
             seg.close_fd()
         self._segments.clear()
+        fd = getattr(self, "_daemon_fd", None)
+        if fd is not None:
+            os.close(fd)
+            self._daemon_fd = None
         if not self._sock.closed:
             self._sock.close(linger=0)
             self._ctx.term()

@@ -302,6 +302,76 @@ class AllReduceDone(Message):
     abort: bool
 
 
+# ---------------------------------------------------------------- dpool-workers daemon
+@_message("attach", endpoint=_STR, key=_BYTES, ident=_BYTES, control=_LIST, client_pid=_INT,
+          max_message_bytes=_INT)
+class Attach(Message):
+    """Daemon → warm worker: serve this client (connect to ``endpoint`` with the session ``key``)."""
+
+    endpoint: str
+    key: bytes
+    ident: bytes
+    control: list
+    client_pid: int
+    max_message_bytes: int
+
+
+@_message("detached", steps=_INT, reason=_STR)
+class Detached(Message):
+    """Worker → daemon: the client session ended; the replica and its memory are gone."""
+
+    steps: int
+    reason: str
+
+
+@_message("attach_request", pid=_INT, endpoint=_STR, key=_BYTES, control=_LIST, protocol=_INT,
+          max_message_bytes=_INT)
+class AttachRequest(Message):
+    """Client → daemon: lend me the workers."""
+
+    pid: int
+    endpoint: str
+    key: bytes
+    control: list
+    protocol: int
+    max_message_bytes: int
+
+
+@_message("attach_reply", ok=_BOOL, workers=_LIST, error=_STR, threads=_INT)
+class AttachReply(Message):
+    """``workers``: ``[index, device, pid, ident]`` each; ``error`` says why not (e.g. the holder's pid)."""
+
+    ok: bool
+    workers: list
+    error: str
+    threads: int
+
+
+@_message("detach_request", pid=_INT)
+class DetachRequest(Message):
+    pid: int
+
+
+@_message("status_request")
+class StatusRequest(Message):
+    pass
+
+
+@_message("status_reply", info=(dict,))
+class StatusReply(Message):
+    info: dict
+
+
+@_message("stop_request")
+class StopRequest(Message):
+    pass
+
+
+@_message("ok")
+class Ok(Message):
+    pass
+
+
 @_message("shutdown")
 class Shutdown(Message):
     pass
@@ -330,6 +400,7 @@ MESSAGES: dict[str, type[Message]] = {
     for cls in (
         Hello, Init, InitDone, Forward, ForwardDone, Fetch, Backward, BackwardDone,
         Criterion, CriterionDone, Release, ReleaseDone, Call, CallDone, AllReduce, AllReduceDone, Shutdown, Failed,
+        Attach, Detached, AttachRequest, AttachReply, DetachRequest, StatusRequest, StatusReply, StopRequest, Ok,
     )
 }
 

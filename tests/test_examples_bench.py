@@ -50,3 +50,9 @@ def test_benchmark_balance_demo_smoke():
     res = _run(["benchmarks/bench.py", "--smoke", "--balance-demo"])
     assert res.returncode == 0, res.stderr
     assert "| even |" in res.stdout and "| auto |" in res.stdout
+
+
+def test_benchmark_attach_demo_smoke():
+    res = _run(["benchmarks/bench.py", "--smoke", "--attach-demo"])
+    assert res.returncode == 0, res.stderr
+    assert "attached speed-up" in res.stdout

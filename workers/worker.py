@@ -44,10 +44,22 @@ def _watchdog(ppid: int, on_death: Any) -> None:
     on_death()
 
 
-def _heartbeat(slot: Any, interval: float) -> None:
+class _Beat:
+    """The heartbeat target: this worker's slot in the current client's control segment (or none)."""
+
+    slot: Any = None
+
+
+def _heartbeat(beat: _Beat, interval: float) -> None:
     while True:
-        slot[0] = time.monotonic_ns()
+        slot = beat.slot
+        if slot is not None:
+            slot[0] = time.monotonic_ns()
         time.sleep(interval)
+
+
+class ClientGone(Exception):
+    """The attached client process died (daemon mode): drop its replica and go back to the daemon."""
 
 
 def main() -> None:
@@ -65,40 +77,138 @@ def main() -> None:
     except RuntimeError:
         pass
 
-    from dpool import protocol as P
+    from dpool import protocol as P  # noqa: F401  (imported before freezing)
     from dpool.shm import attach
 
-    from .replica import Replica
+    from . import replica as _replica  # noqa: F401
 
     index = int(boot["index"])
-    replica = Replica(index, boot["device"], boot["shm_dir"])
+    known: set[str] = set()
 
     def on_parent_death() -> None:
-        replica.unlink_known()
+        _unlink(boot["shm_dir"], known)
         os._exit(0)
 
     if os.getppid() != boot["ppid"]:
         on_parent_death()
     threading.Thread(target=_watchdog, args=(boot["ppid"], on_parent_death), daemon=True, name="dpool-watchdog").start()
-
-    control = attach(boot["shm_dir"], boot["control"])
-    replica.remember(control.name)
-    beats = control.u8[: 8 * (index + 1)].view(torch.int64)[index:]
-    threading.Thread(
-        target=_heartbeat, args=(beats, float(boot["config"]["heartbeat_interval_s"])), daemon=True, name="dpool-heartbeat"
-    ).start()
+    beat = _Beat()
+    threading.Thread(target=_heartbeat, args=(beat, float(boot["config"]["heartbeat_interval_s"])), daemon=True,
+                     name="dpool-heartbeat").start()
+    # torch's import left ~10^5 objects; freezing them keeps every later GC pass short.
+    gc.collect()
+    gc.freeze()
 
     import zmq
 
-    codec = P.Codec(boot["key"], int(boot["config"]["max_message_bytes"]))
     ctx = zmq.Context()
+    if boot.get("mode") != "daemon":
+        control = attach(boot["shm_dir"], boot["control"])
+        beat.slot = control.u8[: 8 * (index + 1)].view(torch.int64)[index:]
+        _serve(ctx, boot, boot, known, None)
+        ctx.term()
+        _unlink(boot["shm_dir"], known)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    _daemon_loop(ctx, boot, beat, known)
+
+
+def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
+    """A warm worker of ``dpool-workers``: serve one attached client after another."""
+    import torch
+    import zmq
+
+    from dpool import protocol as P
+    from dpool.shm import attach
+
+    index = int(boot["index"])
+    codec = P.Codec(boot["key"], int(boot["config"]["max_message_bytes"]))
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, boot["ident"])
-    sock.setsockopt(zmq.MAXMSGSIZE, codec.max_bytes + 1024)
     sock.connect(boot["endpoint"])
+    seq = [0, -1]
+
+    def send(msg: Any) -> None:
+        seq[0] += 1
+        sock.send(codec.encode(msg, seq[0]))
+
+    send(P.Hello(index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
+    while True:
+        try:
+            s, msg = codec.decode(sock.recv_multipart())
+            if s <= seq[1]:
+                raise P.ProtocolError("replayed message")
+            seq[1] = s
+        except P.ProtocolError as exc:
+            print(f"rejected a control message: {exc}", file=sys.stderr, flush=True)
+            continue
+        if isinstance(msg, P.Shutdown):
+            break
+        if not isinstance(msg, P.Attach):
+            continue
+        control = attach(boot["shm_dir"], msg.control)
+        beat.slot = control.u8[: 8 * (index + 1)].view(torch.int64)[index:]
+        session = {"key": msg.key, "endpoint": msg.endpoint, "ident": msg.ident, "index": index,
+                   "device": boot["device"], "shm_dir": boot["shm_dir"],
+                   "config": {"max_message_bytes": msg.max_message_bytes}}
+        steps, reason = _serve(ctx, boot, session, known, msg.client_pid)
+        beat.slot = None
+        del control
+        _unlink(boot["shm_dir"], known)
+        known.clear()
+        gc.collect()  # the replica's tensors and mappings go now, not at some later GC pass
+        send(P.Detached(steps, reason))
+    sock.close(linger=0)
+    ctx.term()
+    os._exit(0)
+
+
+def _unlink(shm_dir: str, names: set[str]) -> None:
+    for name in names:
+        if not name.startswith("fd:"):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+            except OSError:
+                pass
+
+
+def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int | None) -> tuple[int, str]:
+    """Serve one coordinator until ``shutdown`` (or, attached to a daemon, until its process dies).
+
+    Returns:
+        (requests served, why it ended)
+    """
+    import torch
+    import zmq
+
+    from dpool import protocol as P
+
+    from .replica import Replica
+
+    replica = Replica(int(session["index"]), session["device"], session["shm_dir"])
+    replica.known = known
+    codec = P.Codec(session["key"], int(session["config"]["max_message_bytes"]))
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, session["ident"])
+    sock.setsockopt(zmq.MAXMSGSIZE, codec.max_bytes + 1024)
+    sock.connect(session["endpoint"])
+    poller = None
+    client_fd = None
+    if client_pid is not None:
+        try:
+            client_fd = os.pidfd_open(client_pid)
+        except ProcessLookupError:
+            sock.close(linger=0)
+            return 0, "client gone before attach"
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(client_fd, zmq.POLLIN)
     seq_out = 0
     seq_in = -1
+    served = 0
 
     def send(msg: P.Message) -> None:
         nonlocal seq_out
@@ -109,6 +219,10 @@ def main() -> None:
         """The next authenticated message from the coordinator."""
         nonlocal seq_in
         while True:
+            if poller is not None:
+                events = dict(poller.poll())
+                if events.get(client_fd):
+                    raise ClientGone()
             frames = sock.recv_multipart(copy=True)
             try:
                 seq, msg = codec.decode(frames)
@@ -122,27 +236,29 @@ def main() -> None:
                 print(f"rejected a control message: {exc}", file=sys.stderr, flush=True)
 
     replica.collective = _Collective(send, recv)
-    send(P.Hello(index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
-    while True:
-        msg = recv()
-        if isinstance(msg, P.Shutdown):
-            break
-        try:
-            reply = replica.handle(msg)
-        except BaseException as exc:  # the model's error travels back as strings
-            reply = _failed(replica.stage, exc)
-        send(reply)
-        replica.after_reply()
-        if msg.op == "init":
-            # torch's import left ~10^5 objects; freezing them keeps every later GC pass short.
-            gc.collect()
-            gc.freeze()
-    sock.close(linger=0)
-    ctx.term()
-    replica.unlink_known()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    reason = "shutdown"
+    try:
+        send(P.Hello(replica.index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
+        while True:
+            msg = recv()
+            if isinstance(msg, P.Shutdown):
+                break
+            try:
+                reply = replica.handle(msg)
+            except ClientGone:
+                raise
+            except BaseException as exc:  # the model's error travels back as strings
+                reply = _failed(replica.stage, exc)
+            send(reply)
+            served += msg.op == "forward"
+            replica.after_reply()
+    except ClientGone:
+        reason = "client died"
+    finally:
+        sock.close(linger=0)
+        if client_fd is not None:
+            os.close(client_fd)
+    return served, reason
 
 
 class CollectiveAborted(RuntimeError):

@@ -1,0 +1,235 @@
+"""The dpool-workers daemon, driven through its real CLI in subprocesses."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import uuid
+
+import psutil
+import pytest
+import torch
+
+import dpool
+from tests.conftest import wait_for
+from tests.helpers import ROOT, run_script
+
+pytestmark = pytest.mark.slow
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "workers.daemon", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def status(name: str) -> dict:
+    res = cli("status", "--name", name, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def all_pids(name: str) -> list[int]:
+    info = status(name)
+    return [info["pid"]] + [w["pid"] for w in info["workers"]]
+
+
+@pytest.fixture
+def pool_name():
+    """A started pool (2 CPU workers) that is stopped, and checked gone, after the test."""
+    name = "t" + uuid.uuid4().hex[:8]
+    res = cli("start", "--name", name, "--device-ids", "cpu,cpu")
+    assert res.returncode == 0, res.stderr
+    pids = all_pids(name)
+    yield name
+    cli("stop", "--name", name)
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10), "daemon or workers left"
+
+
+TRAIN = """
+import json, os, sys, torch, dpool
+from tests import models
+net = models.make("cnn")
+model = dpool.wrap(net{kw})
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+for step, n in enumerate([11, 7, 9]):
+    (x,), _ = models.batch("cnn", n, seed=step)
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+model.close()
+print("STATE " + json.dumps([t.tolist() for t in net.state_dict().values()]))
+"""
+
+
+def _final_state(res: subprocess.CompletedProcess) -> list:
+    assert res.returncode == 0, res.stderr
+    return json.loads([l for l in res.stdout.splitlines() if l.startswith("STATE ")][-1][6:])
+
+
+def test_attached_training_equals_embedded_and_status(pool_name):
+    embedded = _final_state(run_script(TRAIN.format(kw=', ["cpu", "cpu"]')))
+    attached = _final_state(run_script(TRAIN.format(kw=f', pool={pool_name!r}')))
+    via_env = _final_state(run_script(TRAIN.format(kw=""), env={"DPOOL_POOL": pool_name}))  # no code change
+    assert attached == embedded == via_env  # bit for bit
+    info = status(pool_name)
+    assert info["client_pid"] is None and info["steps_served"] >= 6
+    assert [w["state"] for w in info["workers"]] == ["idle", "idle"]
+    assert all(w["rss_bytes"] > 0 and w["uptime_s"] > 0 for w in info["workers"])
+    human = cli("status", "--name", pool_name)
+    assert human.returncode == 0 and "idle" in human.stdout and "steps served" in human.stdout
+
+
+def test_files_are_private_and_no_tcp_listener(pool_name):
+    from workers.daemon import pool_dir
+
+    d = pool_dir(pool_name)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(d, "key")).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.join(d, "daemon.sock")).st_mode) == 0o600
+    for pid in all_pids(pool_name):
+        assert not [c for c in psutil.Process(pid).net_connections(kind="inet")], "a TCP/UDP socket is open"
+
+
+def test_second_start_is_refused(pool_name):
+    res = cli("start", "--name", pool_name)
+    assert res.returncode == 4 and "already running" in res.stderr
+
+
+def test_stop_and_status_of_a_missing_pool():
+    res = cli("status", "--name", "nosuchpool")
+    assert res.returncode == 3 and "no dpool-workers pool named 'nosuchpool'" in res.stderr
+    assert cli("stop", "--name", "nosuchpool").returncode == 3
+
+
+HOLD = """
+import sys, time, torch, dpool
+model = dpool.wrap(torch.nn.Linear(4, 4), pool={name!r})
+model(torch.randn(4, 4)).sum().backward()
+print("ATTACHED", flush=True)
+{then}
+"""
+
+
+def test_one_client_at_a_time_and_clean_handover_after_sigkill(pool_name):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(name=pool_name, then="time.sleep(60)")],
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        assert holder.stdout.readline().strip() == "ATTACHED"
+        with pytest.raises(dpool.WorkerStartError, match=f"in use by pid {holder.pid}"):
+            dpool.wrap(torch.nn.Linear(4, 4), pool=pool_name)
+        assert status(pool_name)["client_pid"] == holder.pid
+        holder.kill()  # SIGKILL: the daemon must reclaim everything by itself
+        holder.wait()
+        assert wait_for(lambda: status(pool_name)["client_pid"] is None
+                        and all(w["state"] == "idle" for w in status(pool_name)["workers"]), timeout=5)
+    finally:
+        holder.kill()
+        holder.wait()
+    with dpool.wrap(torch.nn.Linear(4, 4), pool=pool_name) as model:  # ready for the next script
+        model(torch.randn(6, 4)).sum().backward()
+
+
+def test_memory_does_not_grow_across_attach_cycles(pool_name):
+    def rss() -> list[int]:
+        return [w["rss_bytes"] for w in status(pool_name)["workers"]]
+
+    net = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])  # 4 MiB of parameters
+    x = torch.randn(64, 512)
+    samples = []
+    for cycle in range(6):
+        with dpool.wrap(net, pool=pool_name) as model:
+            model(x).sum().backward()
+        assert wait_for(lambda: all(w["state"] == "idle" for w in status(pool_name)["workers"]), timeout=5)
+        samples.append(rss())
+    growth = [b - a for a, b in zip(samples[1], samples[-1])]
+    assert max(growth) < 32 * 2**20, f"worker RSS grew by {growth} bytes over 4 attach/detach cycles"
+
+
+def test_worker_dying_inside_the_daemon(pool_name):
+    model = dpool.wrap(torch.nn.Linear(4, 4), pool=pool_name)
+    victim = model.pids[1]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(dpool.WorkerDiedError, match=f"pid {victim}.*daemon restarts it"):
+        model(torch.randn(8, 4))
+    model.close()
+    assert wait_for(lambda: all(w["state"] == "idle" for w in status(pool_name)["workers"]), timeout=30)
+    info = status(pool_name)
+    assert info["workers"][1]["restarts"] == 1 and info["workers"][1]["pid"] != victim
+    with dpool.wrap(torch.nn.Linear(4, 4), pool=pool_name) as again:  # the client can carry on
+        again(torch.randn(8, 4)).sum().backward()
+
+
+def test_foreign_key_is_rejected_before_decoding(pool_name, tmp_path):
+    import zmq
+
+    from dpool import protocol as P
+    from workers.daemon import read_pool
+
+    canary = tmp_path / "canary"
+
+    class Canary:
+        def __reduce__(self):
+            return (open, (str(canary), "w"))
+
+    import pickle
+
+    state, _ = read_pool(pool_name)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(state["endpoint"])
+    wrong = P.Codec(b"w" * 32)
+    s.send(wrong.encode(P.Call(pickle.dumps(Canary())), 1))  # wrong key
+    s.send(b"\x00" * 32 + pickle.dumps(Canary()))  # no key at all
+    assert not s.poll(500), "the daemon answered an unauthenticated peer"
+    s.close()
+    ctx.term()
+    assert not canary.exists()
+    assert status(pool_name)["client_pid"] is None  # and it is still serving
+
+
+def test_daemon_killed_mid_step_then_restart_cleans_up():
+    name = "t" + uuid.uuid4().hex[:8]
+    assert cli("start", "--name", name, "--device-ids", "cpu,cpu").returncode == 0
+    pids = all_pids(name)
+    code = f"""
+    import os, signal, threading, time, torch, dpool
+    from tests.helpers import snapshot, assert_unchanged
+
+    class Slow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+        def forward(self, x):
+            time.sleep(5)
+            return self.lin(x)
+
+    net = Slow()
+    model = dpool.wrap(net, pool={name!r})
+    before = snapshot(net)
+    threading.Timer(0.5, lambda: os.kill({pids[0]}, signal.SIGKILL)).start()
+    t = time.monotonic()
+    try:
+        model(torch.randn(4, 4))
+    except dpool.DaemonLostError as e:
+        assert_unchanged(before, snapshot(net))
+        print("LOST", round(time.monotonic() - t, 2), str(e).splitlines()[0])
+    """
+    res = run_script(code)
+    assert res.returncode == 0, res.stderr
+    line = [l for l in res.stdout.splitlines() if l.startswith("LOST")][0]
+    assert "daemon of pool" in line and "is gone" in line and float(line.split()[1]) < 5
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10)
+    # the crashed daemon left its state file behind; the next start cleans up and works
+    assert cli("start", "--name", name, "--device-ids", "cpu").returncode == 0
+    pids = all_pids(name)
+    try:
+        with dpool.wrap(torch.nn.Linear(4, 4), pool=name) as model:
+            model(torch.randn(4, 4)).sum().backward()
+    finally:
+        assert cli("stop", "--name", name).returncode == 0
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10)

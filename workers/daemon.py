@@ -1,0 +1,512 @@
+"""``dpool-workers``: a daemon that keeps warm worker pools for training scripts to attach to.
+
+::
+
+    dpool-workers start  [--name NAME] [--device-ids cpu,cpu] [--threads N] [--foreground]
+    dpool-workers status [--name NAME] [--json]
+    dpool-workers stop   [--name NAME] [--timeout S]
+
+Exit codes: 0 success; 1 error (e.g. start failed, daemon unresponsive); 2 usage error;
+3 no pool of that name is running (status, stop); 4 a pool of that name is already running (start).
+
+Files (``<runtime dir>/pools/<name>/``, directory 0700): ``lock`` (held with ``flock`` by the
+daemon for its whole life), ``key`` (0600: 32 random bytes; every message to the daemon is
+authenticated with it before anything is decoded), ``daemon.sock`` (the ``ipc://`` endpoint,
+0600), ``state.json`` (pid, devices, version; written when every worker is ready) and
+``daemon.log``. No TCP listener is ever opened.
+
+Lifecycle. The daemon spawns one worker per device (``python -m workers.worker`` in daemon
+mode) and waits for their hello. A client (``dpool.wrap(net, pool=NAME)``) sends an
+authenticated ``attach_request`` with its pid, its own socket endpoint and a fresh session
+key; the daemon grants a lease (one client at a time; a second gets an error naming the holder's
+pid) and tells every worker to connect to the client directly, so steps run exactly as in an
+embedded pool. The session ends with the client's ``shutdown`` (``close()``), or when the client
+process dies: each worker watches the client's pidfd, drops the replica and its memory, and
+reports ``detached``; the daemon watches the client's pidfd too and frees the lease. A worker
+that dies is respawned and counted in ``status``. The daemon dies → its workers exit (their
+watchdog polls its pidfd) → an attached client sees its workers die and raises
+``DaemonLostError``. A crashed daemon's leftovers are removed by the next ``start``.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+__all__ = ["main", "pool_dir", "read_pool", "request"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_ALREADY_RUNNING = 0, 1, 2, 3, 4
+
+
+def pool_dir(name: str, create: bool = False) -> str:
+    """``<runtime dir>/pools/<name>``, mode 0700."""
+    from dpool.pool import runtime_dir
+
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"invalid pool name {name!r}")
+    base = os.path.join(runtime_dir(), "pools")
+    path = os.path.join(base, name)
+    if create:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
+    return path
+
+
+def _lock_held(path: str) -> bool:
+    try:
+        fd = os.open(os.path.join(path, "lock"), os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def read_pool(name: str) -> tuple[dict, bytes]:
+    """State and key of a running pool. Raises ``FileNotFoundError`` if none is running."""
+    path = pool_dir(name)
+    if not _lock_held(path):
+        raise FileNotFoundError(f"no dpool-workers pool named {name!r} is running (start one: dpool-workers start --name {name})")
+    with open(os.path.join(path, "state.json")) as f:
+        state = json.load(f)
+    st = os.stat(os.path.join(path, "key"))
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path}/key must be owned by uid {os.getuid()} with mode 0600")
+    with open(os.path.join(path, "key"), "rb") as f:
+        return state, f.read()
+
+
+def request(name: str, msg: Any, timeout: float = 5.0) -> Any:
+    """Send one authenticated request to the daemon of pool ``name`` and return its reply."""
+    import zmq
+
+    from dpool import protocol as P
+
+    state, key = read_pool(name)
+    codec = P.Codec(key)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_hex(6).encode())
+    try:
+        sock.connect(state["endpoint"])
+        sock.send(codec.encode(msg, 1))
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"the dpool-workers daemon of pool {name!r} (pid {state['pid']}) did not answer "
+                               f"within {timeout:g}s")
+        return codec.decode(sock.recv_multipart())[1]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+# ---------------------------------------------------------------------------------------- daemon
+class _W:
+    def __init__(self, index: int, device: str) -> None:
+        self.index, self.device = index, device
+        self.proc: subprocess.Popen | None = None
+        self.pidfd = -1
+        self.state = "starting"
+        self.started = time.time()
+        self.restarts = 0
+        self.generation = 0
+        self.steps = 0
+
+    @property
+    def ident(self) -> bytes:
+        return b"w%d.%d" % (self.index, self.generation)
+
+
+class Daemon:
+    def __init__(self, name: str, devices: list[str], threads: int) -> None:
+        import zmq
+
+        from dpool import protocol as P
+        from dpool.config import Config
+        from dpool.shm import sweep
+
+        self.name, self.devices, self.threads = name, devices, threads
+        self.dir = pool_dir(name, create=True)
+        self.lock_fd = os.open(os.path.join(self.dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(EXIT_ALREADY_RUNNING) from None
+        for stale in ("state.json", "daemon.sock", "key"):  # a crashed daemon's leftovers
+            try:
+                os.unlink(os.path.join(self.dir, stale))
+            except FileNotFoundError:
+                pass
+        self.config = Config()
+        sweep(self.config.shm_dir)
+        self.key = secrets.token_bytes(32)
+        fd = os.open(os.path.join(self.dir, "key"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, self.key)
+        os.close(fd)
+        self.codec = P.Codec(self.key)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self.sock_path = os.path.join(self.dir, "daemon.sock")
+        self.endpoint = "ipc://" + self.sock_path
+        self.sock.bind(self.endpoint)
+        os.chmod(self.sock_path, 0o600)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.workers = [_W(i, d) for i, d in enumerate(devices)]
+        self.seq = 0
+        self.seen: dict[bytes, int] = {}
+        self.client: int | None = None
+        self.client_fd = -1
+        self.attached_at = 0.0
+        self.stopping = False
+
+    # ------------------------------------------------------------------ workers
+    def spawn(self, w: _W) -> None:
+        import msgpack
+
+        import workers as pkg
+
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(pkg.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(self.threads)
+        w.generation += 1
+        w.proc = subprocess.Popen([sys.executable, "-m", "workers.worker"], stdin=subprocess.PIPE, env=env)
+        w.pidfd = os.pidfd_open(w.proc.pid)
+        self.poller.register(w.pidfd, 1)
+        w.state, w.started = "starting", time.time()
+        boot = {"mode": "daemon", "key": self.key, "endpoint": self.endpoint, "ident": w.ident, "index": w.index,
+                "device": w.device, "ppid": os.getpid(), "threads": self.threads, "shm_dir": self.config.shm_dir,
+                "config": self.config.for_worker()}
+        assert w.proc.stdin is not None
+        w.proc.stdin.write(msgpack.packb(boot, use_bin_type=True))
+        w.proc.stdin.close()
+
+    def send(self, ident: bytes, msg: Any) -> None:
+        import zmq
+
+        self.seq += 1
+        try:
+            self.sock.send_multipart([ident, self.codec.encode(msg, self.seq)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def write_state(self) -> None:
+        import dpool
+        import torch
+
+        state = {"name": self.name, "pid": os.getpid(), "endpoint": self.endpoint, "devices": self.devices,
+                 "threads": self.threads, "dpool": dpool.__version__, "torch": torch.__version__,
+                 "started": time.time()}
+        tmp = os.path.join(self.dir, "state.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, os.path.join(self.dir, "state.json"))
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> int:
+        from dpool import protocol as P
+
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        for w in self.workers:
+            self.spawn(w)
+        ready_written = False
+        while not self.stopping:
+            events = dict(self.poller.poll(200))
+            for w in self.workers:
+                if events.get(w.pidfd):
+                    self.poller.unregister(w.pidfd)
+                    os.close(w.pidfd)
+                    assert w.proc is not None
+                    w.proc.wait()
+                    print(f"worker {w.index} (pid {w.proc.pid}) exited ({w.proc.returncode}); restarting it",
+                          file=sys.stderr, flush=True)
+                    w.restarts += 1
+                    self.spawn(w)
+            if self.client_fd >= 0 and events.get(self.client_fd):
+                print(f"client {self.client} died; freeing the pool", file=sys.stderr, flush=True)
+                self.release()
+            if events.get(self.sock):
+                self.drain()
+            if not ready_written and all(w.state == "idle" for w in self.workers):
+                self.write_state()
+                ready_written = True
+        return self.shutdown()
+
+    def drain(self) -> None:
+        import zmq
+
+        from dpool import protocol as P
+
+        while self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+            frames = self.sock.recv_multipart()
+            ident, body = frames[0], frames[1:]
+            try:
+                seq, msg = self.codec.decode(body)  # authenticated before anything is decoded
+                if seq <= self.seen.get(ident, -1):
+                    raise P.ProtocolError("replayed message")
+                self.seen[ident] = seq
+            except P.ProtocolError as exc:
+                print(f"rejected a message from {ident!r}: {exc}", file=sys.stderr, flush=True)
+                continue
+            w = next((w for w in self.workers if w.ident == ident), None)
+            if w is not None:
+                if isinstance(msg, P.Hello):
+                    w.state = "idle"
+                elif isinstance(msg, P.Detached):
+                    w.state, w.steps = "idle", w.steps + msg.steps
+                continue
+            if isinstance(msg, P.AttachRequest):
+                self.attach(ident, msg)
+            elif isinstance(msg, P.DetachRequest):
+                if msg.pid == self.client:
+                    self.release()
+                self.send(ident, P.Ok())
+            elif isinstance(msg, P.StatusRequest):
+                self.send(ident, P.StatusReply(self.status()))
+            elif isinstance(msg, P.StopRequest):
+                self.send(ident, P.Ok())
+                self.stopping = True
+
+    def attach(self, ident: bytes, msg: Any) -> None:
+        from dpool import protocol as P
+
+        def refuse(why: str) -> None:
+            self.send(ident, P.AttachReply(False, [], why, self.threads))
+
+        if msg.protocol != P.PROTOCOL_VERSION:
+            return refuse(f"dpool protocol {msg.protocol} client cannot use a protocol {P.PROTOCOL_VERSION} daemon")
+        if self.client is not None:
+            return refuse(f"pool {self.name!r} is in use by pid {self.client}; one client at a time "
+                          f"(wait for it to finish, or start another pool with dpool-workers start --name OTHER)")
+        if not all(w.state == "idle" for w in self.workers):
+            return refuse("busy: the workers are still starting or releasing the previous client; retry")
+        try:
+            self.client_fd = os.pidfd_open(msg.pid)
+        except ProcessLookupError:
+            return refuse("the client process is gone")
+        self.poller.register(self.client_fd, 1)
+        self.client, self.attached_at = msg.pid, time.time()
+        out = []
+        for w in self.workers:
+            session_ident = b"a" + w.ident + b"." + secrets.token_hex(3).encode()
+            self.send(w.ident, P.Attach(msg.endpoint, msg.key, session_ident, msg.control, msg.pid,
+                                        msg.max_message_bytes))
+            w.state = "busy"
+            assert w.proc is not None
+            out.append([w.index, w.device, w.proc.pid, session_ident])
+        self.send(ident, P.AttachReply(True, out, "", self.threads))
+
+    def release(self) -> None:
+        if self.client_fd >= 0:
+            self.poller.unregister(self.client_fd)
+            os.close(self.client_fd)
+        self.client, self.client_fd = None, -1
+
+    def status(self) -> dict:
+        import psutil
+
+        rows = []
+        for w in self.workers:
+            pid = w.proc.pid if w.proc else -1
+            try:
+                rss = psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                rss = 0
+            rows.append({"index": w.index, "device": w.device, "pid": pid, "state": w.state, "rss_bytes": rss,
+                         "uptime_s": round(time.time() - w.started, 1), "restarts": w.restarts})
+        return {"name": self.name, "pid": os.getpid(), "client_pid": self.client,
+                "steps_served": sum(w.steps for w in self.workers) // max(1, len(self.workers)),
+                "workers": rows}
+
+    def shutdown(self) -> int:
+        from dpool import protocol as P
+
+        for w in self.workers:
+            self.send(w.ident, P.Shutdown())
+        deadline = time.time() + 3
+        for w in self.workers:
+            if w.proc is None:
+                continue
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+        for f in ("state.json", "daemon.sock", "key"):
+            try:
+                os.unlink(os.path.join(self.dir, f))
+            except FileNotFoundError:
+                pass
+        self.sock.close(linger=0)
+        self.ctx.term()
+        os.close(self.lock_fd)
+        return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def _devices(text: str | None) -> list[str]:
+    from dpool.data_parallel import _parse_devices
+
+    if not text:
+        return _parse_devices(None)
+    return _parse_devices([int(t) if t.strip().isdigit() else t.strip() for t in text.split(",")])
+
+
+def cmd_start(a: argparse.Namespace) -> int:
+    path = pool_dir(a.name, create=True)
+    if _lock_held(path):
+        pid = "?"
+        try:
+            pid = json.load(open(os.path.join(path, "state.json")))["pid"]
+        except Exception:
+            pass
+        print(f"dpool-workers: a pool named {a.name!r} is already running (pid {pid}); "
+              f"stop it with: dpool-workers stop --name {a.name}", file=sys.stderr)
+        return EXIT_ALREADY_RUNNING
+    devices = _devices(a.device_ids)
+    if any(d != "cpu" for d in devices):
+        print(f"dpool-workers: device_ids {devices}: CUDA workers are not implemented yet", file=sys.stderr)
+        return EXIT_USAGE
+    import psutil
+
+    threads = a.threads or max(1, (psutil.cpu_count(logical=False) or 1) // len(devices))
+    if a.foreground:
+        return Daemon(a.name, devices, threads).run()
+    log = open(os.path.join(path, "daemon.log"), "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "workers.daemon", "start", "--name", a.name, "--device-ids",
+                             ",".join(devices), "--threads", str(threads), "--foreground"],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    deadline = time.time() + a.timeout
+    state_path = os.path.join(path, "state.json")
+    shown = -1
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            print(f"dpool-workers: the daemon exited with code {proc.returncode} while starting; "
+                  f"see {os.path.join(path, 'daemon.log')}", file=sys.stderr)
+            return EXIT_ALREADY_RUNNING if proc.returncode == EXIT_ALREADY_RUNNING else EXIT_ERROR
+        if os.path.exists(state_path):
+            print(f"dpool-workers: pool {a.name!r} ready: {len(devices)} workers on {','.join(devices)} "
+                  f"(daemon pid {proc.pid})", file=sys.stderr)
+            return EXIT_OK
+        elapsed = int(time.time() - (deadline - a.timeout))
+        if elapsed != shown:
+            print(f"dpool-workers: starting {len(devices)} workers… {elapsed}s", file=sys.stderr, flush=True)
+            shown = elapsed
+        time.sleep(0.05)
+    proc.kill()
+    print(f"dpool-workers: workers not ready within {a.timeout:g}s; see {path}/daemon.log", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from dpool import protocol as P
+
+    try:
+        reply = request(a.name, P.StatusRequest(), timeout=a.timeout)
+    except FileNotFoundError as exc:
+        print(f"dpool-workers: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    except TimeoutError as exc:
+        print(f"dpool-workers: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    info = reply.info
+    if a.json:
+        print(json.dumps(info))
+        return EXIT_OK
+    client = info["client_pid"] if info["client_pid"] is not None else "none"
+    print(f"pool {info['name']} (daemon pid {info['pid']}): client {client}, steps served {info['steps_served']}")
+    print(f"{'index':>5} {'device':>6} {'pid':>8} {'state':>8} {'rss MiB':>8} {'uptime s':>9} {'restarts':>8}")
+    for w in info["workers"]:
+        print(f"{w['index']:>5} {w['device']:>6} {w['pid']:>8} {w['state']:>8} {w['rss_bytes'] / 2**20:>8.1f} "
+              f"{w['uptime_s']:>9.1f} {w['restarts']:>8}")
+    return EXIT_OK
+
+
+def cmd_stop(a: argparse.Namespace) -> int:
+    from dpool import protocol as P
+
+    path = pool_dir(a.name)
+    try:
+        state, _ = read_pool(a.name)
+    except FileNotFoundError as exc:
+        print(f"dpool-workers: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    pid = state["pid"]
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return EXIT_NOT_RUNNING
+    import select
+
+    try:
+        try:
+            request(a.name, P.StopRequest(), timeout=min(2.0, a.timeout))
+        except (TimeoutError, FileNotFoundError):
+            pass
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):  # graceful, then escalate
+            if sig is not None:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    break
+            if select.select([fd], [], [], a.timeout * (0.8 if sig is None else 0.5))[0]:
+                break
+    finally:
+        os.close(fd)
+    for f in ("state.json", "daemon.sock", "key"):  # in case the daemon was killed
+        try:
+            os.unlink(os.path.join(path, f))
+        except FileNotFoundError:
+            pass
+    print(f"dpool-workers: pool {a.name!r} stopped", file=sys.stderr)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dpool-workers", description="Warm dpool worker pools that training "
+                                 "scripts attach to with dpool.wrap(net, pool=NAME) or DPOOL_POOL=NAME.",
+                                 epilog="exit codes: 0 ok, 1 error, 2 usage, 3 not running, 4 already running")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start", help="start a pool and wait until every worker is ready")
+    s.add_argument("--name", default="default")
+    s.add_argument("--device-ids", help="comma-separated, e.g. cpu,cpu (default: one CPU worker per physical core)")
+    s.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
+    s.add_argument("--foreground", action="store_true", help="run the daemon in this process")
+    s.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the workers")
+    s.set_defaults(func=cmd_start)
+    st = sub.add_parser("status", help="show the workers, the attached client and the steps served")
+    st.add_argument("--name", default="default")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.set_defaults(func=cmd_status)
+    sp = sub.add_parser("stop", help="stop a pool (graceful, then SIGTERM, then SIGKILL)")
+    sp.add_argument("--name", default="default")
+    sp.add_argument("--timeout", type=float, default=10.0)
+    sp.set_defaults(func=cmd_stop)
+    a = ap.parse_args(argv)
+    try:
+        return a.func(a)
+    except (ValueError, PermissionError) as exc:
+        print(f"dpool-workers: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
