@@ -363,6 +363,7 @@ class Pool:
                         continue
                     if not isinstance(msg, P.Hello):
                         raise WorkerStartError(f"{self.workers[idx].where()} sent {msg.op!r} instead of hello")
+                    self._beats[idx] = time.monotonic_ns()  # heartbeat deadlines start at the hello
                     if msg.protocol != P.PROTOCOL_VERSION:
                         raise ProtocolError(
                             f"worker {idx} speaks dpool protocol {msg.protocol}, coordinator {P.PROTOCOL_VERSION}"

@@ -387,6 +387,11 @@ def cmd_start(a: argparse.Namespace) -> int:
     import psutil
 
     threads = a.threads or max(1, (psutil.cpu_count(logical=False) or 1) // len(devices))
+    for stale in ("state.json", "daemon.sock", "key"):  # a crashed daemon's leftovers (no daemon holds the lock)
+        try:
+            os.unlink(os.path.join(path, stale))
+        except FileNotFoundError:
+            pass
     if a.foreground:
         return Daemon(a.name, devices, threads).run()
     log = open(os.path.join(path, "daemon.log"), "ab")
@@ -401,7 +406,7 @@ def cmd_start(a: argparse.Namespace) -> int:
             print(f"dpool-workers: the daemon exited with code {proc.returncode} while starting; "
                   f"see {os.path.join(path, 'daemon.log')}", file=sys.stderr)
             return EXIT_ALREADY_RUNNING if proc.returncode == EXIT_ALREADY_RUNNING else EXIT_ERROR
-        if os.path.exists(state_path):
+        if _state_pid(state_path) == proc.pid:
             print(f"dpool-workers: pool {a.name!r} ready: {len(devices)} workers on {','.join(devices)} "
                   f"(daemon pid {proc.pid})", file=sys.stderr)
             return EXIT_OK
@@ -413,6 +418,14 @@ def cmd_start(a: argparse.Namespace) -> int:
     proc.kill()
     print(f"dpool-workers: workers not ready within {a.timeout:g}s; see {path}/daemon.log", file=sys.stderr)
     return EXIT_ERROR
+
+
+def _state_pid(path: str) -> int:
+    try:
+        with open(path) as f:
+            return int(json.load(f)["pid"])
+    except (OSError, ValueError, KeyError):
+        return -1
 
 
 def cmd_status(a: argparse.Namespace) -> int:

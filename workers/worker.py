@@ -49,6 +49,12 @@ class _Beat:
 
     slot: Any = None
 
+    def target(self, slot: Any) -> None:
+        """Beat into ``slot`` from now on, starting at once (not after the thread's next sleep)."""
+        if slot is not None:
+            slot[0] = time.monotonic_ns()
+        self.slot = slot
+
 
 def _heartbeat(beat: _Beat, interval: float) -> None:
     while True:
@@ -104,7 +110,7 @@ def main() -> None:
     ctx = zmq.Context()
     if boot.get("mode") != "daemon":
         control = attach(boot["shm_dir"], boot["control"])
-        beat.slot = control.u8[: 8 * (index + 1)].view(torch.int64)[index:]
+        beat.target(control.u8[: 8 * (index + 1)].view(torch.int64)[index:])
         _serve(ctx, boot, boot, known, None)
         ctx.term()
         _unlink(boot["shm_dir"], known)
@@ -149,12 +155,12 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
         if not isinstance(msg, P.Attach):
             continue
         control = attach(boot["shm_dir"], msg.control)
-        beat.slot = control.u8[: 8 * (index + 1)].view(torch.int64)[index:]
+        beat.target(control.u8[: 8 * (index + 1)].view(torch.int64)[index:])
         session = {"key": msg.key, "endpoint": msg.endpoint, "ident": msg.ident, "index": index,
                    "device": boot["device"], "shm_dir": boot["shm_dir"],
                    "config": {"max_message_bytes": msg.max_message_bytes}}
         steps, reason = _serve(ctx, boot, session, known, msg.client_pid)
-        beat.slot = None
+        beat.target(None)
         del control
         _unlink(boot["shm_dir"], known)
         known.clear()
