@@ -194,6 +194,13 @@ def test_foreign_key_is_rejected_before_decoding(pool_name, tmp_path):
 
 def test_daemon_killed_mid_step_then_restart_cleans_up():
     name = "t" + uuid.uuid4().hex[:8]
+    try:
+        _daemon_killed_mid_step(name)
+    finally:  # whatever failed above, no daemon may outlive the test
+        cli("stop", "--name", name)
+
+
+def _daemon_killed_mid_step(name: str) -> None:
     assert cli("start", "--name", name, "--device-ids", "cpu,cpu").returncode == 0
     pids = all_pids(name)
     code = f"""
@@ -227,9 +234,7 @@ def test_daemon_killed_mid_step_then_restart_cleans_up():
     # the crashed daemon left its state file behind; the next start cleans up and works
     assert cli("start", "--name", name, "--device-ids", "cpu").returncode == 0
     pids = all_pids(name)
-    try:
-        with dpool.wrap(torch.nn.Linear(4, 4), pool=name) as model:
-            model(torch.randn(4, 4)).sum().backward()
-    finally:
-        assert cli("stop", "--name", name).returncode == 0
+    with dpool.wrap(torch.nn.Linear(4, 4), pool=name) as model:
+        model(torch.randn(4, 4)).sum().backward()
+    assert cli("stop", "--name", name).returncode == 0
     assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10)

@@ -235,6 +235,8 @@ class Daemon:
                     os.close(w.pidfd)
                     assert w.proc is not None
                     w.proc.wait()
+                    if self.stopping:
+                        continue
                     print(f"worker {w.index} (pid {w.proc.pid}) exited ({w.proc.returncode}); restarting it",
                           file=sys.stderr, flush=True)
                     w.restarts += 1
@@ -349,14 +351,19 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
                 w.proc.wait()
-        for f in ("state.json", "daemon.sock", "key"):
+        self.sock.close(linger=0)
+        self.ctx.term()
+        # A clean stop leaves nothing: the pool's directory goes (a crash keeps it, log included).
+        for f in ("state.json", "daemon.sock", "key", "daemon.log", "lock"):
             try:
                 os.unlink(os.path.join(self.dir, f))
             except FileNotFoundError:
                 pass
-        self.sock.close(linger=0)
-        self.ctx.term()
         os.close(self.lock_fd)
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass
         return EXIT_OK
 
 
@@ -483,10 +490,15 @@ def cmd_stop(a: argparse.Namespace) -> int:
                 break
     finally:
         os.close(fd)
-    for f in ("state.json", "daemon.sock", "key"):  # in case the daemon was killed
+    if not _lock_held(path):  # in case the daemon had to be killed: remove what it left
+        for f in ("state.json", "daemon.sock", "key", "daemon.log", "lock"):
+            try:
+                os.unlink(os.path.join(path, f))
+            except FileNotFoundError:
+                pass
         try:
-            os.unlink(os.path.join(path, f))
-        except FileNotFoundError:
+            os.rmdir(path)
+        except OSError:
             pass
     print(f"dpool-workers: pool {a.name!r} stopped", file=sys.stderr)
     return EXIT_OK
