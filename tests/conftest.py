@@ -57,7 +57,7 @@ def wrap():
 
     def _wrap(module, device_ids=("cpu", "cpu"), **kw):
         kw.setdefault("heartbeat_timeout_s", 30.0)
-        m = dpool.wrap(module, list(device_ids), **kw)
+        m = dpool.wrap(module, None if device_ids is None else list(device_ids), **kw)
         made.append(m)
         return m
 

@@ -31,13 +31,55 @@ def clone_inputs(args, kwargs):
     return copy.deepcopy(args), copy.deepcopy(kwargs)
 
 
+@pytest.fixture(scope="module")
+def daemon_pools():
+    """Warm dpool-workers pools (2 and 3 workers) for the attached-mode runs; stopped afterwards."""
+    import subprocess
+    import sys
+    import uuid
+
+    import psutil
+
+    from tests.conftest import wait_for
+    from tests.helpers import ROOT
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "workers.daemon", *args], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT)
+
+    names = {n: f"parity{n}-{uuid.uuid4().hex[:6]}" for n in (2, 3)}
+    started = []
+    try:
+        for n, name in names.items():
+            res = cli("start", "--name", name, "--device-ids", ",".join(["cpu"] * n))
+            assert res.returncode == 0, res.stderr
+            started.append(name)
+        yield names
+    finally:
+        from workers.daemon import read_pool
+
+        pids = []
+        for name in started:
+            try:
+                pids.append(read_pool(name)[0]["pid"])
+            except Exception:
+                pass
+            cli("stop", "--name", name)
+        assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10)
+
+
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("n_workers", [2, 3])
-def test_training_matches_reference(wrap, name, n_workers):
-    """N steps with SGD+momentum equal N single-process (DataParallel-semantics) steps."""
+@pytest.mark.parametrize("mode", ["embedded", "attached"])
+def test_training_matches_reference(wrap, name, n_workers, mode, request):
+    """N steps with SGD+momentum equal N single-process (DataParallel-semantics) steps, with an
+    embedded pool and with a pool attached from a warm dpool-workers daemon."""
     net = models.make(name)
     ref = copy.deepcopy(net)
-    model = wrap(net, ["cpu"] * n_workers)
+    if mode == "attached":
+        model = wrap(net, pool=request.getfixturevalue("daemon_pools")[n_workers], device_ids=None)
+    else:
+        model = wrap(net, ["cpu"] * n_workers)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     for step, batch in enumerate([11, 7, 2, 9]):  # uneven, and smaller than the worker count
