@@ -115,6 +115,21 @@ def runtime_dir() -> str:
     return path
 
 
+WORKER_COMMAND = [sys.executable, "-m", "workers.worker"]
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """The environment of a worker process: ``workers`` importable, native thread pools sized on purpose."""
+    import workers as _workers_pkg
+
+    env = dict(os.environ)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(_workers_pkg.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    return env
+
+
 def _signal_name(returncode: int) -> str | None:
     if returncode < 0:
         try:
@@ -301,16 +316,10 @@ class Pool:
         self._segments[:] = [s for s in self._segments if s.linked]
 
     def _spawn(self, w: _Worker) -> None:
-        import workers as _workers_pkg
-
-        env = dict(os.environ)
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(_workers_pkg.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env[var] = str(self.threads)
+        env = worker_env(self.threads)
         env.setdefault("PYTHONUNBUFFERED", "1")
         w.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.worker"],
+            WORKER_COMMAND,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

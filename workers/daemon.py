@@ -178,15 +178,10 @@ class Daemon:
     def spawn(self, w: _W) -> None:
         import msgpack
 
-        import workers as pkg
+        from dpool.pool import WORKER_COMMAND, worker_env
 
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(pkg.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env[var] = str(self.threads)
         w.generation += 1
-        w.proc = subprocess.Popen([sys.executable, "-m", "workers.worker"], stdin=subprocess.PIPE, env=env)
+        w.proc = subprocess.Popen(WORKER_COMMAND, stdin=subprocess.PIPE, env=worker_env(self.threads))
         w.pidfd = os.pidfd_open(w.proc.pid)
         self.poller.register(w.pidfd, 1)
         w.state, w.started = "starting", time.time()
