@@ -21,6 +21,9 @@ import dpool
 from tests.helpers import assert_unchanged, snapshot
 
 
+_TRIGGER = 100
+
+
 class Victim(nn.Module):
     """Misbehaves on the shard whose first element is a trigger code."""
 
@@ -30,7 +33,7 @@ class Victim(nn.Module):
         self.bn = nn.BatchNorm1d(4)
 
     def forward(self, x):
-        code = int(x[0, 0].item())
+        code = int(x[0, 0].item()) - _TRIGGER  # random data (|x| < 10) never reaches a trigger
         if code == 1:  # sleep so that the test can kill or stop us mid-forward
             time.sleep(30)
         elif code == 2:  # GIL-holding hang
@@ -47,10 +50,31 @@ class Victim(nn.Module):
             ctypes.string_at(0)  # segfault
         elif code == 8:
             os._exit(0)  # "clean" exit mid-step
+        elif code == 9:
+            raise ValueError("bad shard")
+        elif code == 10:
+            raise _TwoArgs(1, 2)  # an exception whose __init__ is not (message,)
         y = self.bn(self.lin(x))
         if code == 6:
             y = _SlowBackward.apply(y)
+        elif code == 11:
+            y = _BackwardFails.apply(y)
         return y
+
+
+class _TwoArgs(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+class _BackwardFails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ArithmeticError("backward exploded")
 
 
 class _Unpicklable:
@@ -74,7 +98,7 @@ def batch(code: int | None = None, shard: int = 1, n: int = 8, shards: int = 2) 
     x = torch.randn(n, 4)
     if code is not None:
         for s in range(shards) if shard == -1 else [shard]:
-            x[(n // shards) * s, 0] = code
+            x[(n // shards) * s, 0] = _TRIGGER + code
     return x
 
 

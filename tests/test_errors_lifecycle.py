@@ -15,56 +15,8 @@ from torch import nn
 import dpool
 from tests import models
 from tests.conftest import wait_for
+from tests.fault_scenarios import Victim, batch
 from tests.helpers import assert_unchanged, run_script, snapshot
-
-
-class Faulty(nn.Module):
-    """Misbehaves on the shard whose first element is a trigger value."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.bn = nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        code = int(x[0, 0].item())
-        if code == 101:
-            raise ValueError("bad shard")
-        if code == 102:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if code == 103:
-            import ctypes
-
-            ctypes.string_at(0)
-        if code == 104:
-            os._exit(0)
-        if code == 105:
-            class Custom(Exception):
-                def __init__(self, a, b):
-                    super().__init__(f"{a}/{b}")
-
-            raise Custom(1, 2)
-        y = self.bn(self.lin(x))
-        if code == 106:
-            y = _BackwardFails.apply(y)
-        return y
-
-
-class _BackwardFails(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y):
-        return y.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        raise ArithmeticError("backward exploded")
-
-
-def batch_with(code: int | None, shard: int = 1) -> torch.Tensor:
-    x = torch.randn(8, 4)
-    if code is not None:
-        x[4 * shard, 0] = code
-    return x
 
 
 def train_step(model, opt, x):
@@ -74,13 +26,13 @@ def train_step(model, opt, x):
 
 
 def test_remote_exception_is_typed_and_pool_survives(wrap):
-    net = Faulty()
+    net = Victim()
     model = wrap(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    train_step(model, opt, batch_with(None))
+    train_step(model, opt, batch())
     before = snapshot(net, opt)
     with pytest.raises(ValueError) as info:
-        model(batch_with(101))
+        model(batch(9))
     err = info.value
     assert isinstance(err, dpool.RemoteError)
     assert err.worker == 1 and err.pid == model.pids[1] and err.device == "cpu"
@@ -88,24 +40,24 @@ def test_remote_exception_is_typed_and_pool_survives(wrap):
     assert "Caught ValueError in worker 1 (cpu, pid" in text and "bad shard" in text and "shard 1" in text
     assert "raise ValueError" in str(err.__cause__) and "in forward" in err.remote_traceback
     assert_unchanged(before, snapshot(net, opt))  # buffers not committed, nothing touched
-    train_step(model, opt, batch_with(None))  # the same pool keeps working
-    with pytest.raises(dpool.RemoteError, match=r"Custom.*1/2"):
-        model(batch_with(105))
+    train_step(model, opt, batch())  # the same pool keeps working
+    with pytest.raises(dpool.RemoteError, match=r"_TwoArgs.*1/2"):
+        model(batch(10))
 
 
 def test_backward_exception_leaves_master_untouched(wrap):
-    net = Faulty()
+    net = Victim()
     model = wrap(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    train_step(model, opt, batch_with(None))
-    model(batch_with(None)).sum().backward()  # grads present before the failing step
-    out = model(batch_with(106, shard=0))
+    train_step(model, opt, batch())
+    model(batch()).sum().backward()  # grads present before the failing step
+    out = model(batch(11, shard=0))
     before = snapshot(net, opt)  # after the (successful) forward: only the backward fails
     with pytest.raises(ArithmeticError, match="backward exploded") as info:
         out.sum().backward()
     assert isinstance(info.value, dpool.RemoteError) and info.value.worker == 0
     assert_unchanged(before, snapshot(net, opt))
-    train_step(model, opt, batch_with(None))
+    train_step(model, opt, batch())
 
 
 def test_close_and_context_manager_leave_nothing():
