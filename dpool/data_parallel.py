@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import threading
 from typing import Any, Iterator, Sequence
 
 import psutil
@@ -158,6 +159,7 @@ class DataParallel(nn.Module):
         from ._runtime import Runtime
 
         self._runtime: Runtime | None = None
+        self._close_lock = threading.Lock()
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
         self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
@@ -229,12 +231,18 @@ class DataParallel(nn.Module):
         return [] if rt is None else [w.pid for w in rt.pool.workers]
 
     def close(self) -> None:
-        """Stop the workers and free shared memory. The master module stays usable. Idempotent."""
-        rt, self._runtime = self._runtime, None
-        if rt is not None:
-            rt.close()
-            if self._saved_threads is not None:
-                torch.set_num_threads(self._saved_threads)
+        """Stop the workers and free shared memory. The master module stays usable.
+
+        Idempotent and thread-safe: a call that finds a close already running in
+        another thread waits for it, so when any ``close()`` returns the workers
+        are reaped and the parameters live in private memory again.
+        """
+        with self._close_lock:
+            rt, self._runtime = self._runtime, None
+            if rt is not None:
+                rt.close()
+                if self._saved_threads is not None:
+                    torch.set_num_threads(self._saved_threads)
 
     def __enter__(self) -> "DataParallel":
         return self

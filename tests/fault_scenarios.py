@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import psutil
 import torch
 from torch import nn
 
@@ -197,7 +198,17 @@ def run(name: str, p: dict) -> dict:
     out["next_s"] = time.monotonic() - t0
     out["pids_after"] = model.pids
     model.close()
+    # close() returns only when the pool is fully down, even if another thread's close is still running
+    out["children_after_close"] = [c.pid for c in psutil.Process().children()]
+    out["params_private"] = all(_is_private(q) for q in list(net.parameters()) + list(net.buffers()))
     return out
+
+
+def _is_private(t: torch.Tensor) -> bool:
+    """True if ``t`` no longer lives in a dpool shared segment (close() gave it private memory)."""
+    with open("/proc/self/maps") as f:
+        shared = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f if "dpool" in line]
+    return not any(lo <= t.data_ptr() < hi for lo, hi in shared)
 
 
 if __name__ == "__main__":

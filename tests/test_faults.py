@@ -101,6 +101,8 @@ def test_l6_close_from_another_thread_mid_step():
     r = fault("close_from_thread")
     assert r["error"] in ("PoolBrokenError", "WorkerDiedError") and r["detect_s"] < 5
     assert r["unchanged"] is True and r["next"] == "PoolBrokenError"
+    # the final close() waited for the other thread's close instead of returning early
+    assert r["children_after_close"] == [] and r["params_private"] is True
 
 
 @pytest.mark.parametrize("name", ["sigkill_forward", "gil_hang"])
