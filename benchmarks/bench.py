@@ -18,6 +18,10 @@ Setups, on N = --workers:
   dpool    dpool.wrap with N CPU workers
   ideal    one shard (global batch / N) forward+backward alone on cores / N threads:
            N-way parallelism with zero communication
+  ceiling  N independent processes, each training one shard at the same time with
+           cores / N threads and no communication at all: what this machine gives
+           N concurrent shards (memory bandwidth and shared caches included).
+           Not one of the issue's five setups; a diagnostic for reading `ideal`
 
 Results go to --out as JSON and a PNG chart; the Markdown table is printed.
 """
@@ -84,15 +88,17 @@ class Local:
             self.model.close()
 
 
-def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any) -> None:
+def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, ddp: bool = True) -> None:
+    """One DDP rank (or, with ``ddp=False``, one independent trainer of the ``ceiling`` setup)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(max(1, CORES // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(max(1, CORES // world))  # torchrun's default too: OMP_NUM_THREADS=1 per rank
+    if ddp:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     w = WORKLOADS[wname]
     torch.manual_seed(0)
-    model = DDP(w.make())
+    model = DDP(w.make()) if ddp else w.make()
     opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
     g = torch.Generator().manual_seed(rank + 1)
     data = [w.batch(w.global_batch // world, g) for _ in range(4)]
@@ -100,15 +106,20 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any) -> None:
         steps = conn.recv()
         if steps is None:
             break
-        dist.barrier()
+        if ddp:
+            dist.barrier()
         elapsed = _steps(model, opt, w, data, steps)
-        dist.barrier()
+        if ddp:
+            dist.barrier()
         conn.send(elapsed)
-    dist.destroy_process_group()
+    if ddp:
+        dist.destroy_process_group()
 
 
 class DDPRunner:
-    def __init__(self, w: Workload, workers: int) -> None:
+    """``ddp``: N gloo ranks. ``ceiling``: the same N processes, with no process group and no all-reduce."""
+
+    def __init__(self, w: Workload, workers: int, ddp: bool = True) -> None:
         import socket
 
         with socket.socket() as s:
@@ -118,7 +129,7 @@ class DDPRunner:
         self.conns, self.procs = [], []
         for r in range(workers):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_ddp_rank, args=(r, workers, port, w.name, b), daemon=True)
+            p = ctx.Process(target=_ddp_rank, args=(r, workers, port, w.name, b, ddp), daemon=True)
             p.start()
             self.conns.append(a)
             self.procs.append(p)
@@ -140,8 +151,8 @@ class DDPRunner:
 
 
 def make_runner(setup: str, w: Workload, workers: int) -> Any:
-    if setup == "ddp":
-        return DDPRunner(w, workers)
+    if setup in ("ddp", "ceiling"):
+        return DDPRunner(w, workers, ddp=setup == "ddp")
     return Local(setup, w, workers)
 
 
@@ -307,7 +318,7 @@ def attach_demo(repeats: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mlp,cnn,lstm,probe")
-    ap.add_argument("--setups", default="single,dp,ddp,dpool,ideal")
+    ap.add_argument("--setups", default="single,dp,ddp,dpool,ideal,ceiling")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="steps per repeat (default: per workload)")
     ap.add_argument("--warmup", type=int, default=3)

@@ -40,7 +40,7 @@ def test_benchmark_smoke(tmp_path):
     data = json.loads((tmp_path / "smoke.json").read_text())
     for w in ("probe", "mlp"):
         setups = data["workloads"][w]["setups"]
-        assert set(setups) == {"single", "dp", "ddp", "dpool", "ideal"}
+        assert set(setups) == {"single", "dp", "ddp", "dpool", "ideal", "ceiling"}
         assert all(v["samples_per_s"] > 0 for v in setups.values())
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert "| probe |" in res.stdout
