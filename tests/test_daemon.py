@@ -149,6 +149,27 @@ def test_memory_does_not_grow_across_attach_cycles(pool_name):
     assert max(growth) < 32 * 2**20, f"worker RSS grew by {growth} bytes over 4 attach/detach cycles"
 
 
+def test_heap_kept_while_serving_is_given_back_on_detach(pool_name):
+    """Workers keep freed memory while a client trains (see worker_env), and trim it between clients."""
+    from tests.test_semantics import BigActivation
+
+    def rss() -> list[int]:
+        return [w["rss_bytes"] for w in status(pool_name)["workers"]]
+
+    with dpool.wrap(torch.nn.Linear(4, 4), pool=pool_name) as model:
+        model(torch.randn(8, 4)).sum().backward()
+    assert wait_for(lambda: all(w["state"] == "idle" for w in status(pool_name)["workers"]), timeout=5)
+    idle = rss()
+    with dpool.wrap(BigActivation(), pool=pool_name) as model:
+        for _ in range(3):
+            model(torch.randn(8, 4)).sum().backward()
+        serving = rss()
+    assert wait_for(lambda: all(w["state"] == "idle" for w in status(pool_name)["workers"]), timeout=5)
+    after = rss()
+    assert all(s - i > 40 * 2**20 for s, i in zip(serving, idle)), (idle, serving)  # 48 MiB kept while serving
+    assert all(a - i < 16 * 2**20 for a, i in zip(after, idle)), (idle, serving, after)
+
+
 def test_worker_dying_inside_the_daemon(pool_name):
     model = dpool.wrap(torch.nn.Linear(4, 4), pool=pool_name)
     victim = model.pids[1]

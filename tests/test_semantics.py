@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import resource
 import warnings
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
@@ -320,6 +321,44 @@ def test_threads_set_and_restored(wrap):
     assert threads == [1, 1]
     model.close()
     assert torch.get_num_threads() == before
+
+
+class BigActivation(nn.Module):
+    """Allocates (and frees) 48 MiB per forward: above glibc's largest default mmap threshold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        big = torch.ones(12 << 20)
+        return self.lin(x) * big[0]
+
+
+def _worker_faults(model) -> list[int]:
+    return model.worker_states(lambda m: resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
+@pytest.mark.parametrize("user_threshold", [None, "131072"])
+def test_workers_keep_freed_memory_instead_of_faulting_it_in_every_step(wrap, monkeypatch, user_threshold):
+    if user_threshold is not None:  # the user's own malloc setting wins
+        monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", user_threshold)
+    model = wrap(BigActivation())
+    x = torch.randn(8, 4)
+    for _ in range(4):  # the heap settles in a few steps
+        model(x).sum().backward()
+    before = _worker_faults(model)
+    for _ in range(6):
+        model(x).sum().backward()
+    grown = [a - b for a, b in zip(_worker_faults(model), before)]
+    env = model.worker_states(lambda m: __import__("os").environ["MALLOC_MMAP_THRESHOLD_"])
+    if user_threshold is None:
+        assert env == [str(1 << 30)] * 2
+        # the 48 MiB block is reused from the heap (it may still grow once as it settles)
+        assert all(g < 3 * 12288 for g in grown), grown
+    else:
+        assert env == [user_threshold] * 2
+        assert all(g > 5 * 12288 for g in grown), grown  # its 12288 pages fault in again every step
 
 
 def test_worker_states_reads_replica_attributes(wrap):

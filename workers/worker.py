@@ -20,6 +20,7 @@ See ``NOTE [ dpool shutdown ]`` in :mod:`dpool.pool` for the whole protocol.
 """
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import gc
 import os
@@ -42,6 +43,14 @@ def _watchdog(ppid: int, on_death: Any) -> None:
         return
     select.select([fd], [], [])
     on_death()
+
+
+def _trim_heap() -> None:
+    """Return free heap memory to the kernel (glibc's ``malloc_trim``); a no-op elsewhere."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _Beat:
@@ -165,6 +174,7 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
         _unlink(boot["shm_dir"], known)
         known.clear()
         gc.collect()  # the replica's tensors and mappings go now, not at some later GC pass
+        _trim_heap()  # workers keep their heap while serving (see worker_env); give it back between clients
         send(P.Detached(steps, reason))
     sock.close(linger=0)
     ctx.term()
