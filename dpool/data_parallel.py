@@ -79,7 +79,9 @@ class DataParallel(nn.Module):
             per-worker step times, so a slower worker gets a smaller shard.
         pool (str, optional): attach to the warm workers of the running
             ``dpool-workers`` pool of that name instead of spawning workers (also
-            chosen by the ``DPOOL_POOL`` environment variable).
+            chosen by the ``DPOOL_POOL`` environment variable). ``"tcp://HOST:PORT"``
+            attaches to a pool started with ``--listen``; the ``DPOOL_KEY_FILE``
+            environment variable then names a 0600 copy of the pool's key.
         gather (bool): ``False`` keeps outputs on the workers: a forward returns a
             :class:`dpool.ShardedOutput` for :func:`dpool.criterion` (loss computed on
             the workers) or for ``.gather()``. Default: ``True``.
@@ -131,10 +133,15 @@ class DataParallel(nn.Module):
             raise TypeError(f"dpool.wrap expects an nn.Module, got {type(module).__name__}")
         pool = pool if pool is not None else (os.environ.get("DPOOL_POOL") or None)
         if pool is not None:  # attach to a running dpool-workers daemon: its devices
-            from workers.daemon import read_pool
+            from workers.daemon import read_pool, request
 
-            state, _ = read_pool(pool)
-            devices = list(state["devices"])
+            if pool.startswith("tcp://"):  # a pool started with --listen; its key comes from DPOOL_KEY_FILE
+                from . import protocol as P
+
+                devices = [w["device"] for w in request(pool, P.StatusRequest()).info["workers"]]
+            else:
+                state, _ = read_pool(pool)
+                devices = list(state["devices"])
             if device_ids is not None and _parse_devices(device_ids) != devices:
                 raise ValueError(f"device_ids {list(device_ids)} differ from pool {pool!r}'s devices {devices}")
         else:

@@ -257,15 +257,23 @@ class Pool:
 
     def _attach_daemon(self) -> None:
         """Borrow the warm workers of the ``dpool-workers`` pool ``self.attach`` (see workers/daemon.py)."""
-        from workers.daemon import read_pool, request
+        from workers.daemon import locate, request
 
         name = self.attach
         assert name is not None
-        state, _ = read_pool(name)
-        self.daemon_pid = int(state["pid"])
-        self._daemon_fd = os.pidfd_open(self.daemon_pid)  # readable once it exits (zombie or not)
+        endpoint, pool_key, _ = locate(name)
+        if endpoint.startswith("tcp://"):
+            # The workers reach us the way we reach the daemon: over TCP, on loopback. The session
+            # socket is authenticated like every other (a peer without the session key is dropped).
+            self._sock.bind("tcp://127.0.0.1:0")
+            session_endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        else:
+            session_endpoint = self.endpoint
+        nonce = secrets.token_bytes(32)
+        self._key = P.session_key(pool_key, nonce)  # the daemon derives the same key; it is never sent
+        self.codec = P.Codec(self._key, self.config.max_message_bytes)
         deadline = time.monotonic() + self.config.startup_timeout_s
-        ask = P.AttachRequest(os.getpid(), self.endpoint, self._key, self.control.ref(), P.PROTOCOL_VERSION,
+        ask = P.AttachRequest(os.getpid(), session_endpoint, nonce, self.control.ref(), P.PROTOCOL_VERSION,
                               self.config.max_message_bytes)
         while True:
             reply = request(name, ask, timeout=5.0)
@@ -275,6 +283,8 @@ class Pool:
                 time.sleep(0.05)  # the previous client's workers are still releasing its memory
                 continue
             raise WorkerStartError(f"cannot attach to dpool-workers pool {name!r}: {reply.error}")
+        self.daemon_pid = reply.daemon_pid
+        self._daemon_fd = os.pidfd_open(self.daemon_pid)  # readable once it exits (zombie or not)
         self.threads = reply.threads
         for idx, device, pid, ident in reply.workers:
             w = self.workers[idx]

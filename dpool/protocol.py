@@ -62,7 +62,7 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: attach derives the session key from a nonce; attach_reply names the daemon pid
 MAC_SIZE = 32
 
 # A shared-memory reference: [segment name, size in bytes].
@@ -324,20 +324,25 @@ class Detached(Message):
     reason: str
 
 
-@_message("attach_request", pid=_INT, endpoint=_STR, key=_BYTES, control=_LIST, protocol=_INT,
+@_message("attach_request", pid=_INT, endpoint=_STR, nonce=_BYTES, control=_LIST, protocol=_INT,
           max_message_bytes=_INT)
 class AttachRequest(Message):
-    """Client → daemon: lend me the workers."""
+    """Client → daemon: lend me the workers, and have them connect to ``endpoint``.
+
+    The session key is never sent: both sides derive it with :func:`session_key` from the
+    pool's key and ``nonce``, so a process squatting on the daemon's endpoint (which does not
+    hold the pool key) learns nothing that lets it pose as a worker and receive the model.
+    """
 
     pid: int
     endpoint: str
-    key: bytes
+    nonce: bytes
     control: list
     protocol: int
     max_message_bytes: int
 
 
-@_message("attach_reply", ok=_BOOL, workers=_LIST, error=_STR, threads=_INT)
+@_message("attach_reply", ok=_BOOL, workers=_LIST, error=_STR, threads=_INT, daemon_pid=_INT)
 class AttachReply(Message):
     """``workers``: ``[index, device, pid, ident]`` each; ``error`` says why not (e.g. the holder's pid)."""
 
@@ -345,6 +350,14 @@ class AttachReply(Message):
     workers: list
     error: str
     threads: int
+    daemon_pid: int
+
+
+def session_key(pool_key: bytes, nonce: bytes) -> bytes:
+    """The key of one client session: HMAC-SHA256 of ``nonce`` under the pool's key."""
+    if len(nonce) < 16:
+        raise ProtocolError("attach nonce shorter than 16 bytes")
+    return hmac.digest(pool_key, b"dpool session key\x00" + nonce, "sha256")
 
 
 @_message("detach_request", pid=_INT)

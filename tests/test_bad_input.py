@@ -144,20 +144,21 @@ def _frame(payload: bytes, key: bytes = KEY) -> list[bytes]:
     return [hmac.digest(key, payload, "sha256") + payload]
 
 
+V = P.PROTOCOL_VERSION
 HOSTILE = [
     b"\xc1",  # never-used msgpack byte
-    msgpack.packb([1, "forward", 1])[:-1],  # truncated
-    msgpack.packb([1, "hello", 1, [0, 1, 1, "t", "p"]]) + b"\x00",  # trailing bytes
+    msgpack.packb([V, "forward", 1])[:-1],  # truncated
+    msgpack.packb([V, "hello", 1, [0, 1, 1, "t", "p"]]) + b"\x00",  # trailing bytes
     b"\xdd\xff\xff\xff\xff",  # array header claiming 2^32-1 items
     b"\x91" * 100_000 + b"\xc0",  # 100k nesting
-    msgpack.packb([1, "hello", 1, [0, 1, 1, b"\xff\xfe".decode("latin-1"), "p"]]).replace(b"\xc3\xbf", b"\xff"),
+    msgpack.packb([V, "hello", 1, [0, 1, 1, b"\xff\xfe".decode("latin-1"), "p"]]).replace(b"\xc3\xbf", b"\xff"),
     msgpack.packb({1: 2}),  # int map key / not an array
     msgpack.packb(msgpack.ExtType(42, b"x")),  # unknown ExtType
-    msgpack.packb([1, "hello", 1, ["zero", 1, 1, "t", "p"]]),  # wrong field type
-    msgpack.packb([1, "hello", 1, [0, 1]]),  # missing fields
-    msgpack.packb([1, "nope", 1, []]),  # unknown op
-    msgpack.packb([2, "hello", 1, [0, 1, 2, "t", "p"]]),  # other protocol version
-    msgpack.packb([1, "hello", -5, [0, 1, 1, "t", "p"]]),  # bad sequence number
+    msgpack.packb([V, "hello", 1, ["zero", 1, 1, "t", "p"]]),  # wrong field type
+    msgpack.packb([V, "hello", 1, [0, 1]]),  # missing fields
+    msgpack.packb([V, "nope", 1, []]),  # unknown op
+    msgpack.packb([V + 1, "hello", 1, [0, 1, 2, "t", "p"]]),  # other protocol version
+    msgpack.packb([V, "hello", -5, [0, 1, 1, "t", "p"]]),  # bad sequence number
 ]
 
 
@@ -170,7 +171,7 @@ def test_hostile_payloads_are_protocol_errors(payload):
 
 def test_wrong_key_missing_mac_and_oversize():
     codec = P.Codec(KEY, max_bytes=1024)
-    good = msgpack.packb([1, "shutdown", 1, []])
+    good = msgpack.packb([P.PROTOCOL_VERSION, "shutdown", 1, []])
     assert isinstance(codec.decode(_frame(good))[1], P.Shutdown)
     with pytest.raises(AuthError):
         codec.decode(_frame(good, key=b"x" * 32))
@@ -180,8 +181,9 @@ def test_wrong_key_missing_mac_and_oversize():
         codec.decode(_frame(b"\x00" * 2048))
     with pytest.raises(ProtocolError, match="frame"):
         codec.decode([b"a", b"b"])
-    with pytest.raises(ProtocolError, match="protocol 2"):
-        codec.decode(_frame(msgpack.packb([2, "shutdown", 1, []])))
+    other = P.PROTOCOL_VERSION + 1
+    with pytest.raises(ProtocolError, match=f"protocol {other} peer cannot talk to protocol {P.PROTOCOL_VERSION}"):
+        codec.decode(_frame(msgpack.packb([other, "shutdown", 1, []])))
 
 
 @settings(max_examples=300, deadline=None)
@@ -233,7 +235,7 @@ def test_foreign_peer_cannot_break_or_feed_the_pool(tmp_path):
         rogue.setsockopt(zmq.ROUTING_ID, pool.workers[0].ident)  # even claiming a worker's identity
         rogue.connect(pool.endpoint)
         evil = pickle.dumps(Canary())
-        payload = msgpack.packb([1, "call_done", 99, [evil]])
+        payload = msgpack.packb([P.PROTOCOL_VERSION, "call_done", 99, [evil]])
         oversized = [b"\x00" * 32 + b"\x00" * (2 << 20)]  # past ZMQ_MAXMSGSIZE: the peer is cut off
         for frame in ([b"\x00" * 32 + payload], [payload], [b"junk", b"more"], oversized):
             rogue.send_multipart(frame)

@@ -94,6 +94,113 @@ def test_files_are_private_and_no_tcp_listener(pool_name):
         assert not [c for c in psutil.Process(pid).net_connections(kind="inet")], "a TCP/UDP socket is open"
 
 
+@pytest.fixture
+def tcp_pool():
+    """A pool started with ``--listen 0``: (name, tcp endpoint, key file)."""
+    from workers.daemon import pool_dir
+
+    name = "t" + uuid.uuid4().hex[:8]
+    res = cli("start", "--name", name, "--device-ids", "cpu,cpu", "--listen", "0")
+    assert res.returncode == 0, res.stderr
+    pids = all_pids(name)
+    endpoint = status(name)["listen"]
+    assert "listening on " + endpoint in res.stderr
+    yield name, endpoint, os.path.join(pool_dir(name), "key")
+    cli("stop", "--name", name)
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10), "daemon or workers left"
+
+
+def test_tcp_listener_only_when_asked_on_loopback_and_authenticated(tcp_pool, tmp_path):
+    name, endpoint, key_file = tcp_pool
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    assert host == "127.0.0.1"
+    info = status(name)
+    listening = [c for c in psutil.Process(info["pid"]).net_connections(kind="inet") if c.status == "LISTEN"]
+    assert [(c.laddr.ip, c.laddr.port) for c in listening] == [("127.0.0.1", int(port))]
+    for w in info["workers"]:
+        assert not psutil.Process(w["pid"]).net_connections(kind="inet")
+    # Training over the TCP attach equals an embedded pool bit for bit.
+    embedded = _final_state(run_script(TRAIN.format(kw=', ["cpu", "cpu"]')))
+    over_tcp = _final_state(run_script(TRAIN.format(kw=f", pool={endpoint!r}"), env={"DPOOL_KEY_FILE": key_file}))
+    assert over_tcp == embedded
+    # No key: a clear error before anything is sent. A wrong key: the daemon never answers.
+    res = run_script(f"import dpool, torch\ndpool.wrap(torch.nn.Linear(2, 2), pool={endpoint!r})",
+                     env={"DPOOL_KEY_FILE": ""})
+    assert res.returncode != 0 and "DPOOL_KEY_FILE" in res.stderr
+    wrong = tmp_path / "wrong.key"
+    wrong.write_bytes(os.urandom(32))
+    wrong.chmod(0o600)
+    res = run_script(f"import dpool, torch\ndpool.wrap(torch.nn.Linear(2, 2), pool={endpoint!r})",
+                     env={"DPOOL_KEY_FILE": str(wrong)})
+    assert res.returncode != 0 and "did not answer" in res.stderr and "DPOOL_KEY_FILE" in res.stderr
+    assert status(name)["client_pid"] is None
+
+
+def test_relay_on_the_tcp_path_never_sees_the_model_or_a_key(tcp_pool, monkeypatch):
+    """A process without the key that sits between client and daemon (it took the port the client
+    was given, and forwards to the real one) sees only authenticated requests and replies: no session
+    key, no model. Training still works, since the workers connect to the client directly."""
+    import threading
+
+    import zmq
+
+    from dpool import protocol as P
+    from workers.daemon import read_key_file
+
+    name, endpoint, key_file = tcp_pool
+    monkeypatch.setenv("DPOOL_KEY_FILE", key_file)
+    ctx = zmq.Context()
+    front = ctx.socket(zmq.ROUTER)
+    front.setsockopt(zmq.LINGER, 0)
+    port = front.bind_to_random_port("tcp://127.0.0.1")
+    backs: dict[bytes, zmq.Socket] = {}  # one upstream connection per client connection
+    seen: list[bytes] = []
+    done = threading.Event()
+
+    def relay() -> None:
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        while not done.is_set():
+            events = dict(poller.poll(50))
+            if front in events:
+                ident, *frames = front.recv_multipart()
+                seen.extend(frames)
+                if ident not in backs:
+                    backs[ident] = ctx.socket(zmq.DEALER)
+                    backs[ident].setsockopt(zmq.LINGER, 0)
+                    backs[ident].connect(endpoint)
+                    poller.register(backs[ident], zmq.POLLIN)
+                backs[ident].send_multipart(frames)
+            for ident, back in backs.items():
+                if back in events:
+                    frames = back.recv_multipart()
+                    seen.extend(frames)
+                    front.send_multipart([ident, *frames])
+
+    t = threading.Thread(target=relay)
+    t.start()
+    marker = "model-secret-" + uuid.uuid4().hex
+    net = torch.nn.Linear(2, 2)
+    net.secret = marker
+    try:
+        with dpool.wrap(net, pool=f"tcp://127.0.0.1:{port}") as model:
+            model(torch.randn(6, 2)).sum().backward()
+        assert net.weight.grad is not None
+    finally:
+        done.set()
+        t.join()
+        front.close()
+        for back in backs.values():
+            back.close()
+        ctx.term()
+    pool_key = read_key_file(key_file)
+    msgs = [P.Codec(pool_key).decode([f])[1] for f in seen]  # all of it authenticated with the pool key
+    attach = [m for m in msgs if isinstance(m, P.AttachRequest)]
+    assert len(attach) == 1 and any(isinstance(m, P.AttachReply) and m.ok for m in msgs)
+    session = P.session_key(pool_key, attach[0].nonce)
+    assert not any(session in f or marker.encode() in f for f in seen)
+
+
 def test_second_start_is_refused(pool_name):
     res = cli("start", "--name", pool_name)
     assert res.returncode == 4 and "already running" in res.stderr

@@ -2,7 +2,7 @@
 
 ::
 
-    dpool-workers start  [--name NAME] [--device-ids cpu,cpu] [--threads N] [--foreground]
+    dpool-workers start  [--name NAME] [--device-ids cpu,cpu] [--threads N] [--foreground] [--listen [HOST:]PORT]
     dpool-workers status [--name NAME] [--json]
     dpool-workers stop   [--name NAME] [--timeout S]
 
@@ -13,7 +13,12 @@ Files (``<runtime dir>/pools/<name>/``, directory 0700): ``lock`` (held with ``f
 daemon for its whole life), ``key`` (0600: 32 random bytes; every message to the daemon is
 authenticated with it before anything is decoded), ``daemon.sock`` (the ``ipc://`` endpoint,
 0600), ``state.json`` (pid, devices, version; written when every worker is ready) and
-``daemon.log``. No TCP listener is ever opened.
+``daemon.log``. No TCP listener is opened unless ``--listen`` asks for one; it then binds to
+127.0.0.1 unless a host is given, and speaks the same authenticated protocol: a client attaches
+with ``pool="tcp://HOST:PORT"`` and ``DPOOL_KEY_FILE`` naming a copy of the pool key. Session
+keys are derived from the pool key and a client nonce, never sent, so a process that takes over
+the port first learns nothing that lets it receive the model. Tensors still go through shared
+memory, so client and workers must share a host (and ``/dev/shm``) either way.
 
 Lifecycle. The daemon spawns one worker per device (``python -m workers.worker`` in daemon
 mode) and waits for their hello. A client (``dpool.wrap(net, pool=NAME)``) sends an
@@ -40,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["main", "pool_dir", "read_pool", "request"]
+__all__ = ["locate", "main", "pool_dir", "read_key_file", "read_pool", "request"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_ALREADY_RUNNING = 0, 1, 2, 3, 4
 
@@ -88,28 +93,71 @@ def read_pool(name: str) -> tuple[dict, bytes]:
         return state, f.read()
 
 
-def request(name: str, msg: Any, timeout: float = 5.0) -> Any:
-    """Send one authenticated request to the daemon of pool ``name`` and return its reply."""
+def read_key_file(path: str) -> bytes:
+    """A pool key from ``path``, which must be owned by this user with mode 0600."""
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} must be owned by uid {os.getuid()} with mode 0600")
+    with open(path, "rb") as f:
+        key = f.read()
+    if len(key) < 16:
+        raise ValueError(f"{path} does not hold a dpool pool key (it has {len(key)} bytes)")
+    return key
+
+
+def locate(pool: str) -> tuple[str, bytes, str]:
+    """Endpoint, key and a label of ``pool``: a pool name, or ``tcp://HOST:PORT`` of a pool started
+    with ``--listen``, whose key is read from the file named by ``DPOOL_KEY_FILE``."""
+    if pool.startswith("tcp://"):
+        path = os.environ.get("DPOOL_KEY_FILE")
+        if not path:
+            raise ValueError(
+                f"attaching to {pool} needs the pool's key: set DPOOL_KEY_FILE to its key file "
+                "(<runtime dir>/pools/<name>/key on the daemon's side; keep the copy at mode 0600)"
+            )
+        return pool, read_key_file(path), f"pool at {pool}"
+    state, key = read_pool(pool)
+    return state["endpoint"], key, f"pool {pool!r} (daemon pid {state['pid']})"
+
+
+def request(pool: str, msg: Any, timeout: float = 5.0) -> Any:
+    """Send one authenticated request to the daemon of ``pool`` (see :func:`locate`) and return its reply."""
     import zmq
 
     from dpool import protocol as P
 
-    state, key = read_pool(name)
+    endpoint, key, label = locate(pool)
     codec = P.Codec(key)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
     sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_hex(6).encode())
     try:
-        sock.connect(state["endpoint"])
+        sock.connect(endpoint)
         sock.send(codec.encode(msg, 1))
-        if not sock.poll(int(timeout * 1000)):
-            raise TimeoutError(f"the dpool-workers daemon of pool {name!r} (pid {state['pid']}) did not answer "
-                               f"within {timeout:g}s")
-        return codec.decode(sock.recv_multipart())[1]
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                hint = " (a daemon answers nobody whose key is wrong: check DPOOL_KEY_FILE)" if endpoint.startswith("tcp://") else ""
+                raise TimeoutError(f"the dpool-workers daemon of {label} did not answer within {timeout:g}s{hint}")
+            try:
+                return codec.decode(sock.recv_multipart())[1]
+            except P.ProtocolError:
+                continue  # not from the daemon (it would hold the key): ignored, never decoded further
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def parse_listen(text: str) -> str:
+    """``PORT`` or ``HOST:PORT`` (HOST defaults to 127.0.0.1) → a ``tcp://`` endpoint."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--listen {text!r}: expected PORT or HOST:PORT (PORT 0 picks a free port)")
+    return f"tcp://{host}:{int(port)}"
 
 
 # ---------------------------------------------------------------------------------------- daemon
@@ -130,7 +178,7 @@ class _W:
 
 
 class Daemon:
-    def __init__(self, name: str, devices: list[str], threads: int) -> None:
+    def __init__(self, name: str, devices: list[str], threads: int, listen: str | None = None) -> None:
         import zmq
 
         from dpool import protocol as P
@@ -164,6 +212,15 @@ class Daemon:
         self.endpoint = "ipc://" + self.sock_path
         self.sock.bind(self.endpoint)
         os.chmod(self.sock_path, 0o600)
+        self.tcp_endpoint: str | None = None
+        if listen is not None:  # only when asked (--listen); authenticated like the ipc socket
+            try:
+                self.sock.bind(listen)
+            except zmq.ZMQError as exc:
+                print(f"cannot listen on {listen}: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(EXIT_ERROR) from None
+            self.tcp_endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            print(f"listening on {self.tcp_endpoint} (authenticated with the pool key)", file=sys.stderr, flush=True)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.workers = [_W(i, d) for i, d in enumerate(devices)]
@@ -205,7 +262,8 @@ class Daemon:
         import dpool
         import torch
 
-        state = {"name": self.name, "pid": os.getpid(), "endpoint": self.endpoint, "devices": self.devices,
+        state = {"name": self.name, "pid": os.getpid(), "endpoint": self.endpoint, "listen": self.tcp_endpoint,
+                 "devices": self.devices,
                  "threads": self.threads, "dpool": dpool.__version__, "torch": torch.__version__,
                  "started": time.time()}
         tmp = os.path.join(self.dir, "state.json.tmp")
@@ -285,7 +343,7 @@ class Daemon:
         from dpool import protocol as P
 
         def refuse(why: str) -> None:
-            self.send(ident, P.AttachReply(False, [], why, self.threads))
+            self.send(ident, P.AttachReply(False, [], why, self.threads, os.getpid()))
 
         if msg.protocol != P.PROTOCOL_VERSION:
             return refuse(f"dpool protocol {msg.protocol} client cannot use a protocol {P.PROTOCOL_VERSION} daemon")
@@ -298,17 +356,23 @@ class Daemon:
             self.client_fd = os.pidfd_open(msg.pid)
         except ProcessLookupError:
             return refuse("the client process is gone")
+        try:
+            key = P.session_key(self.key, msg.nonce)
+        except P.ProtocolError as exc:
+            os.close(self.client_fd)
+            self.client_fd = -1
+            return refuse(str(exc))
         self.poller.register(self.client_fd, 1)
         self.client, self.attached_at = msg.pid, time.time()
         out = []
         for w in self.workers:
-            session_ident = b"a" + w.ident + b"." + secrets.token_hex(3).encode()
-            self.send(w.ident, P.Attach(msg.endpoint, msg.key, session_ident, msg.control, msg.pid,
+            session_ident = b"a" + w.ident + b"." + secrets.token_hex(8).encode()
+            self.send(w.ident, P.Attach(msg.endpoint, key, session_ident, msg.control, msg.pid,
                                         msg.max_message_bytes))
             w.state = "busy"
             assert w.proc is not None
             out.append([w.index, w.device, w.proc.pid, session_ident])
-        self.send(ident, P.AttachReply(True, out, "", self.threads))
+        self.send(ident, P.AttachReply(True, out, "", self.threads, os.getpid()))
 
     def release(self) -> None:
         if self.client_fd >= 0:
@@ -328,7 +392,7 @@ class Daemon:
                 rss = 0
             rows.append({"index": w.index, "device": w.device, "pid": pid, "state": w.state, "rss_bytes": rss,
                          "uptime_s": round(time.time() - w.started, 1), "restarts": w.restarts})
-        return {"name": self.name, "pid": os.getpid(), "client_pid": self.client,
+        return {"name": self.name, "pid": os.getpid(), "client_pid": self.client, "listen": self.tcp_endpoint,
                 "steps_served": sum(w.steps for w in self.workers) // max(1, len(self.workers)),
                 "workers": rows}
 
@@ -394,11 +458,13 @@ def cmd_start(a: argparse.Namespace) -> int:
             os.unlink(os.path.join(path, stale))
         except FileNotFoundError:
             pass
+    listen = parse_listen(a.listen) if a.listen is not None else None
     if a.foreground:
-        return Daemon(a.name, devices, threads).run()
+        return Daemon(a.name, devices, threads, listen).run()
     log = open(os.path.join(path, "daemon.log"), "ab")
+    extra = ["--listen", a.listen] if a.listen is not None else []
     proc = subprocess.Popen([sys.executable, "-m", "workers.daemon", "start", "--name", a.name, "--device-ids",
-                             ",".join(devices), "--threads", str(threads), "--foreground"],
+                             ",".join(devices), "--threads", str(threads), "--foreground", *extra],
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     deadline = time.time() + a.timeout
     state_path = os.path.join(path, "state.json")
@@ -409,8 +475,12 @@ def cmd_start(a: argparse.Namespace) -> int:
                   f"see {os.path.join(path, 'daemon.log')}", file=sys.stderr)
             return EXIT_ALREADY_RUNNING if proc.returncode == EXIT_ALREADY_RUNNING else EXIT_ERROR
         if _state_pid(state_path) == proc.pid:
+            where = ""
+            if listen is not None:
+                with open(state_path) as f:
+                    where = f"; listening on {json.load(f)['listen']} (clients need DPOOL_KEY_FILE={path}/key)"
             print(f"dpool-workers: pool {a.name!r} ready: {len(devices)} workers on {','.join(devices)} "
-                  f"(daemon pid {proc.pid})", file=sys.stderr)
+                  f"(daemon pid {proc.pid}){where}", file=sys.stderr)
             return EXIT_OK
         elapsed = int(time.time() - (deadline - a.timeout))
         if elapsed != shown:
@@ -446,7 +516,9 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(json.dumps(info))
         return EXIT_OK
     client = info["client_pid"] if info["client_pid"] is not None else "none"
-    print(f"pool {info['name']} (daemon pid {info['pid']}): client {client}, steps served {info['steps_served']}")
+    listening = f", listening on {info['listen']}" if info.get("listen") else ""
+    print(f"pool {info['name']} (daemon pid {info['pid']}): client {client}, steps served {info['steps_served']}"
+          f"{listening}")
     print(f"{'index':>5} {'device':>6} {'pid':>8} {'state':>8} {'rss MiB':>8} {'uptime s':>9} {'restarts':>8}")
     for w in info["workers"]:
         print(f"{w['index']:>5} {w['device']:>6} {w['pid']:>8} {w['state']:>8} {w['rss_bytes'] / 2**20:>8.1f} "
@@ -509,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--device-ids", help="comma-separated, e.g. cpu,cpu (default: one CPU worker per physical core)")
     s.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
     s.add_argument("--foreground", action="store_true", help="run the daemon in this process")
+    s.add_argument("--listen", metavar="[HOST:]PORT",
+                   help="also accept clients over TCP (HOST defaults to 127.0.0.1; PORT 0 picks a free one). "
+                        "Authenticated with the pool key; clients attach with pool='tcp://HOST:PORT' and "
+                        "DPOOL_KEY_FILE. Off by default: without it no TCP socket is opened")
     s.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the workers")
     s.set_defaults(func=cmd_start)
     st = sub.add_parser("status", help="show the workers, the attached client and the steps served")
