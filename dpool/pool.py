@@ -284,7 +284,13 @@ class Pool:
                 continue
             raise WorkerStartError(f"cannot attach to dpool-workers pool {name!r}: {reply.error}")
         self.daemon_pid = reply.daemon_pid
-        self._daemon_fd = os.pidfd_open(self.daemon_pid)  # readable once it exits (zombie or not)
+        try:
+            self._daemon_fd = os.pidfd_open(self.daemon_pid)  # readable once it exits (zombie or not)
+        except ProcessLookupError:
+            raise WorkerStartError(
+                f"dpool-workers pool {name!r} answered from daemon pid {self.daemon_pid}, which this process "
+                "cannot see: a client must share the pool's host, process IDs and /dev/shm"
+            ) from None
         self.threads = reply.threads
         for idx, device, pid, ident in reply.workers:
             w = self.workers[idx]

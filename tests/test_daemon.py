@@ -136,6 +136,19 @@ def test_tcp_listener_only_when_asked_on_loopback_and_authenticated(tcp_pool, tm
     assert status(name)["client_pid"] is None
 
 
+def test_listen_argument_parsing():
+    from workers.daemon import parse_listen
+
+    assert parse_listen("0") == "tcp://127.0.0.1:0"  # loopback unless a host is given
+    assert parse_listen("10.0.0.5:7000") == "tcp://10.0.0.5:7000"
+    assert parse_listen("[::1]:0") == "tcp://[::1]:0"
+    for bad in ("x", "1:99999", "host:"):
+        with pytest.raises(ValueError, match="PORT or HOST:PORT"):
+            parse_listen(bad)
+    res = cli("start", "--name", "t" + uuid.uuid4().hex[:8], "--listen", "nope")
+    assert res.returncode == 2 and "PORT or HOST:PORT" in res.stderr
+
+
 def test_relay_on_the_tcp_path_never_sees_the_model_or_a_key(tcp_pool, monkeypatch):
     """A process without the key that sits between client and daemon (it took the port the client
     was given, and forwards to the real one) sees only authenticated requests and replies: no session

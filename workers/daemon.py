@@ -157,7 +157,7 @@ def parse_listen(text: str) -> str:
     host = host.strip("[]") or "127.0.0.1"
     if not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"--listen {text!r}: expected PORT or HOST:PORT (PORT 0 picks a free port)")
-    return f"tcp://{host}:{int(port)}"
+    return f"tcp://[{host}]:{int(port)}" if ":" in host else f"tcp://{host}:{int(port)}"
 
 
 # ---------------------------------------------------------------------------------------- daemon
@@ -215,6 +215,8 @@ class Daemon:
         self.tcp_endpoint: str | None = None
         if listen is not None:  # only when asked (--listen); authenticated like the ipc socket
             try:
+                if listen.startswith("tcp://["):
+                    self.sock.setsockopt(zmq.IPV6, 1)
                 self.sock.bind(listen)
             except zmq.ZMQError as exc:
                 print(f"cannot listen on {listen}: {exc}", file=sys.stderr, flush=True)
@@ -436,6 +438,11 @@ def _devices(text: str | None) -> list[str]:
 
 
 def cmd_start(a: argparse.Namespace) -> int:
+    try:
+        listen = parse_listen(a.listen) if a.listen is not None else None
+    except ValueError as exc:
+        print(f"dpool-workers: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     path = pool_dir(a.name, create=True)
     if _lock_held(path):
         pid = "?"
@@ -458,7 +465,6 @@ def cmd_start(a: argparse.Namespace) -> int:
             os.unlink(os.path.join(path, stale))
         except FileNotFoundError:
             pass
-    listen = parse_listen(a.listen) if a.listen is not None else None
     if a.foreground:
         return Daemon(a.name, devices, threads, listen).run()
     log = open(os.path.join(path, "daemon.log"), "ab")
