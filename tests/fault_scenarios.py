@@ -35,8 +35,8 @@ class Victim(nn.Module):
 
     def forward(self, x):
         code = int(x[0, 0].item()) - _TRIGGER  # random data (|x| < 10) never reaches a trigger
-        if code == 1:  # sleep so that the test can kill or stop us mid-forward
-            time.sleep(30)
+        if code == 1:  # sleep so that the test can kill or stop us mid-forward (faults land at 0.5 s);
+            time.sleep(6)  # after a Ctrl-C the next call waits for this to end, so keep it short
         elif code == 2:  # GIL-holding hang
             sum(range(10**11))
         elif code == 3:  # progress hang with the GIL released
