@@ -165,18 +165,23 @@ class _Worker:
         return f"worker {self.index} ({self.device}, pid {self.pid})"
 
 
+def _show(label: str, text: str, to_stderr: bool) -> None:
+    """Write a worker's output to ours, each line labelled with the worker index."""
+    out = sys.stderr if to_stderr else sys.stdout
+    try:
+        out.write("".join(f"[{label}] {line}\n" for line in text.rstrip("\n").split("\n")))
+        out.flush()
+    except Exception:  # interpreter shutting down, closed capture, ...
+        pass
+
+
 def _pump(stream: Any, label: str, tail: collections.deque | None, to_stderr: bool) -> None:
-    """Copy a worker's output to ours, line by line, labelled with the worker index."""
+    """Copy an embedded worker's output pipe to ours, line by line."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
         if tail is not None:
             tail.append(line)
-        out = sys.stderr if to_stderr else sys.stdout
-        try:
-            out.write(f"[{label}] {line}" if line.endswith("\n") else f"[{label}] {line}\n")
-            out.flush()
-        except Exception:  # interpreter shutting down, closed capture, ...
-            pass
+        _show(label, line, to_stderr)
     stream.close()
 
 
@@ -482,6 +487,9 @@ class Pool:
                     warnings.warn(f"dpool dropped a control message from {ident!r}: {exc}", RuntimeWarning, stacklevel=2)
                 continue
             w.seq_in = seq
+            if isinstance(msg, P.Output):  # an attached worker's prints: shown as embedded workers' are
+                _show(f"dpool worker {idx}", msg.text, msg.stream == 2)
+                continue
             out.append((idx, msg))
         return out
 

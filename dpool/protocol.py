@@ -58,6 +58,7 @@ __all__ = [
     "CallDone",
     "AllReduce",
     "AllReduceDone",
+    "Output",
     "Shutdown",
     "Failed",
 ]
@@ -281,6 +282,17 @@ class CallDone(Message):
     result: bytes
 
 
+@_message("output", stream=_INT, text=_STR)
+class Output(Message):
+    """Attached (daemon) worker → client, at any time: text the replica printed. ``stream``: 1 stdout, 2 stderr.
+
+    Embedded workers need no message: the coordinator reads their stdout and stderr pipes.
+    """
+
+    stream: int
+    text: str
+
+
 @_message("allreduce", seq=_INT, data=_BYTES)
 class AllReduce(Message):
     """Worker → coordinator, *during* a forward or backward: sum ``data`` (float64) over the round's shards.
@@ -413,7 +425,7 @@ MESSAGES: dict[str, type[Message]] = {
     for cls in (
         Hello, Init, InitDone, Forward, ForwardDone, Fetch, Backward, BackwardDone,
         Criterion, CriterionDone, Release, ReleaseDone, Call, CallDone, AllReduce, AllReduceDone, Shutdown, Failed,
-        Attach, Detached, AttachRequest, AttachReply, DetachRequest, StatusRequest, StatusReply, StopRequest, Ok,
+        Output, Attach, Detached, AttachRequest, AttachReply, DetachRequest, StatusRequest, StatusReply, StopRequest, Ok,
     )
 }
 

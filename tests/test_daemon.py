@@ -83,6 +83,34 @@ def test_attached_training_equals_embedded_and_status(pool_name):
     assert human.returncode == 0 and "idle" in human.stdout and "steps served" in human.stdout
 
 
+def test_attached_workers_prints_reach_the_client_labelled(pool_name):
+    code = f"""
+    import sys, torch, dpool
+
+    class Chatty(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(5, 2)
+        def forward(self, x):
+            print("In model: input size", tuple(x.shape))
+            print("partial", end="")
+            print(" line", flush=True)
+            print("to stderr", file=sys.stderr)
+            return self.lin(x)
+
+    with dpool.wrap(Chatty(), pool={pool_name!r}) as model:
+        model(torch.randn(30, 5)).sum().backward()
+    print("done")
+    """
+    res = run_script(code)
+    assert res.returncode == 0, res.stderr
+    for i in (0, 1):
+        assert f"[dpool worker {i}] In model: input size (15, 5)" in res.stdout
+        assert f"[dpool worker {i}] partial line" in res.stdout
+        assert f"[dpool worker {i}] to stderr" in res.stderr
+    assert res.stdout.rstrip().endswith("done")
+
+
 def test_files_are_private_and_no_tcp_listener(pool_name):
     from workers.daemon import pool_dir
 

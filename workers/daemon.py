@@ -22,10 +22,11 @@ memory, so client and workers must share a host (and ``/dev/shm``) either way.
 
 Lifecycle. The daemon spawns one worker per device (``python -m workers.worker`` in daemon
 mode) and waits for their hello. A client (``dpool.wrap(net, pool=NAME)``) sends an
-authenticated ``attach_request`` with its pid, its own socket endpoint and a fresh session
-key; the daemon grants a lease (one client at a time; a second gets an error naming the holder's
+authenticated ``attach_request`` with its pid, its own socket endpoint and a fresh nonce
+(both sides derive the session key from it); the daemon grants a lease (one client at a time; a second gets an error naming the holder's
 pid) and tells every worker to connect to the client directly, so steps run exactly as in an
-embedded pool. The session ends with the client's ``shutdown`` (``close()``), or when the client
+embedded pool; what a replica prints travels to the client as ``output`` messages. The session
+ends with the client's ``shutdown`` (``close()``), or when the client
 process dies: each worker watches the client's pidfd, drops the replica and its memory, and
 reports ``detached``; the daemon watches the client's pidfd too and frees the lease. A worker
 that dies is respawned and counted in ``status``. The daemon dies → its workers exit (their

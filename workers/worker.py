@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import gc
+import io
 import os
 import select
 import signal
@@ -71,6 +72,48 @@ def _heartbeat(beat: _Beat, interval: float) -> None:
         if slot is not None:
             slot[0] = time.monotonic_ns()
         time.sleep(interval)
+
+
+class _ToClient(io.TextIOBase):
+    """``sys.stdout``/``sys.stderr`` of an attached worker: what the replica prints goes to the client.
+
+    Complete lines (and whatever ``flush()`` finds) are sent as ``output`` messages, which the client
+    shows labelled with the worker index, as it shows an embedded worker's pipes. Only the serving
+    thread sends (ZeroMQ sockets are not thread-safe): other threads' writes, and anything written
+    to file descriptors 1 and 2 directly (faulthandler, C code), go to the daemon's log as before.
+    """
+
+    _CHUNK = 1 << 20  # characters per message, far below the message size limit
+
+    def __init__(self, send: Any, fallback: Any) -> None:
+        self._send, self.fallback = send, fallback
+        self._owner = threading.get_ident()
+        self._buf = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        if threading.get_ident() != self._owner:
+            return self.fallback.write(s)
+        self._buf += s
+        if "\n" in self._buf:
+            text, _, self._buf = self._buf.rpartition("\n")
+            self._emit(text + "\n")
+        return len(s)
+
+    def flush(self) -> None:
+        if self._buf and threading.get_ident() == self._owner:
+            text, self._buf = self._buf, ""
+            self._emit(text)
+
+    def _emit(self, text: str) -> None:
+        for i in range(0, len(text), self._CHUNK):
+            try:
+                self._send(text[i : i + self._CHUNK])
+            except Exception:  # the session is ending: keep the text in the log
+                self.fallback.write(text[i:])
+                return
 
 
 class ClientGone(Exception):
@@ -226,10 +269,11 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
     seq_in = -1
     served = 0
 
-    def send(msg: P.Message) -> None:
+    def send(msg: P.Message, flags: int = 0) -> None:
         nonlocal seq_out
+        frame = codec.encode(msg, seq_out + 1)
+        sock.send(frame, flags)
         seq_out += 1
-        sock.send(codec.encode(msg, seq_out))
 
     def recv() -> P.Message:
         """The next authenticated message from the coordinator."""
@@ -253,8 +297,12 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
 
     replica.collective = _Collective(send, recv)
     reason = "shutdown"
+    saved = sys.stdout, sys.stderr
     try:
         send(P.Hello(replica.index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
+        if client_pid is not None:  # attached: our pipes go to the daemon's log, so prints travel to the client
+            sys.stdout = _ToClient(lambda text: send(P.Output(1, text), zmq.NOBLOCK), saved[0])
+            sys.stderr = _ToClient(lambda text: send(P.Output(2, text), zmq.NOBLOCK), saved[1])
         while True:
             msg = recv()
             if isinstance(msg, P.Shutdown):
@@ -271,6 +319,13 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
     except ClientGone:
         reason = "client died"
     finally:
+        if sys.stdout is not saved[0]:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            sys.stdout, sys.stderr = saved
         sock.close(linger=0)
         if client_fd is not None:
             os.close(client_fd)
