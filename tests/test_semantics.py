@@ -345,20 +345,22 @@ def test_workers_keep_freed_memory_instead_of_faulting_it_in_every_step(wrap, mo
         monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", user_threshold)
     model = wrap(BigActivation())
     x = torch.randn(8, 4)
-    for _ in range(4):  # the heap settles in a few steps
+    for _ in range(6):
         model(x).sum().backward()
     before = _worker_faults(model)
-    for _ in range(6):
+    for _ in range(20):
         model(x).sum().backward()
     grown = [a - b for a, b in zip(_worker_faults(model), before)]
     env = model.worker_states(lambda m: __import__("os").environ["MALLOC_MMAP_THRESHOLD_"])
     if user_threshold is None:
         assert env == [str(1 << 30)] * 2
-        # the 48 MiB block is reused from the heap (it may still grow once as it settles)
-        assert all(g < 3 * 12288 for g in grown), grown
+        # The 48 MiB block is reused from the heap. The heap still grows now and then while it
+        # settles (fragmentation: up to ~10 blocks over the first ~15 steps, then flat), so this
+        # asserts far fewer faults than one block per step, not none.
+        assert all(g < 10 * 12288 for g in grown), grown
     else:
         assert env == [user_threshold] * 2
-        assert all(g > 5 * 12288 for g in grown), grown  # its 12288 pages fault in again every step
+        assert all(g > 19 * 12288 for g in grown), grown  # its 12288 pages fault in again every step
 
 
 def test_worker_states_reads_replica_attributes(wrap):
