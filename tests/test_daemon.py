@@ -37,16 +37,22 @@ def all_pids(name: str) -> list[int]:
     return [info["pid"]] + [w["pid"] for w in info["workers"]]
 
 
+def _running_pool(*start_args: str):
+    """Start a pool (2 CPU workers); yield (name, start's output); stop it and check every process is gone."""
+    name = "t" + uuid.uuid4().hex[:8]
+    res = cli("start", "--name", name, "--device-ids", "cpu,cpu", *start_args)
+    assert res.returncode == 0, res.stderr
+    pids = all_pids(name)
+    yield name, res
+    cli("stop", "--name", name)
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10), "daemon or workers left"
+
+
 @pytest.fixture
 def pool_name():
     """A started pool (2 CPU workers) that is stopped, and checked gone, after the test."""
-    name = "t" + uuid.uuid4().hex[:8]
-    res = cli("start", "--name", name, "--device-ids", "cpu,cpu")
-    assert res.returncode == 0, res.stderr
-    pids = all_pids(name)
-    yield name
-    cli("stop", "--name", name)
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10), "daemon or workers left"
+    for name, _ in _running_pool():
+        yield name
 
 
 TRAIN = """
@@ -127,15 +133,10 @@ def tcp_pool():
     """A pool started with ``--listen 0``: (name, tcp endpoint, key file)."""
     from workers.daemon import pool_dir
 
-    name = "t" + uuid.uuid4().hex[:8]
-    res = cli("start", "--name", name, "--device-ids", "cpu,cpu", "--listen", "0")
-    assert res.returncode == 0, res.stderr
-    pids = all_pids(name)
-    endpoint = status(name)["listen"]
-    assert "listening on " + endpoint in res.stderr
-    yield name, endpoint, os.path.join(pool_dir(name), "key")
-    cli("stop", "--name", name)
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10), "daemon or workers left"
+    for name, res in _running_pool("--listen", "0"):
+        endpoint = status(name)["listen"]
+        assert "listening on " + endpoint in res.stderr
+        yield name, endpoint, os.path.join(pool_dir(name), "key")
 
 
 def test_tcp_listener_only_when_asked_on_loopback_and_authenticated(tcp_pool, tmp_path):
