@@ -167,6 +167,7 @@ class DataParallel(nn.Module):
 
         self._runtime: Runtime | None = None
         self._close_lock = threading.Lock()
+        self._owner_thread = threading.get_ident()
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
         self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
@@ -248,8 +249,11 @@ class DataParallel(nn.Module):
             rt, self._runtime = self._runtime, None
             if rt is not None:
                 rt.close()
-                if self._saved_threads is not None:
-                    torch.set_num_threads(self._saved_threads)
+            # torch's thread count belongs to the thread that set it (OpenMP keeps it per thread):
+            # restore it there, and never call into torch's pools from another thread at close.
+            if self._saved_threads is not None and threading.get_ident() == self._owner_thread:
+                torch.set_num_threads(self._saved_threads)
+                self._saved_threads = None
 
     def __enter__(self) -> "DataParallel":
         return self

@@ -161,8 +161,11 @@ def run(name: str, p: dict) -> dict:
             _later(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
             model(batch(1))
         elif name == "close_from_thread":
-            _later(0.5, model.close)
-            model(batch(1))
+            closer = _later(0.5, model.close)
+            try:
+                model(batch(1))
+            finally:
+                closer.join()
         else:
             raise KeyError(name)
 
