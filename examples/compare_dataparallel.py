@@ -41,7 +41,7 @@ class Model(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         output = self.fc(input)
-        print("\tIn Model: input size", input.size(), "output size", output.size(), flush=True)
+        print("\tIn model: input size", input.size(), "output size", output.size(), flush=True)
         return output
 
 

@@ -18,10 +18,10 @@ def test_compare_dataparallel_example_shows_worker_prints():
     res = _run(["examples/compare_dataparallel.py", "--workers", "2"])
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    assert "In Model: input size torch.Size([30, 5])" in out  # DataParallel on CPU: one module
-    assert "[dpool worker 0] \tIn Model: input size torch.Size([15, 5])" in out
-    assert "[dpool worker 1] \tIn Model: input size torch.Size([15, 5])" in out
-    assert "[dpool worker 0] \tIn Model: input size torch.Size([5, 5])" in out  # last batch of 10
+    assert "In model: input size torch.Size([30, 5])" in out  # DataParallel on CPU: one module
+    assert "[dpool worker 0] \tIn model: input size torch.Size([15, 5])" in out
+    assert "[dpool worker 1] \tIn model: input size torch.Size([15, 5])" in out
+    assert "[dpool worker 0] \tIn model: input size torch.Size([5, 5])" in out  # last batch of 10
 
 
 def test_train_cnn_example_learns():
