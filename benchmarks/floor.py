@@ -24,6 +24,12 @@ structures (one tensor in, one tensor out, split evenly), growing segments,
 error reporting, and clean-up after crashes beyond a parent-death watchdog.
 So it is a lower bound on the per-step cost of the design, not a product.
 The test suite checks that it computes the same training step as one process.
+
+It deliberately does not call dpool's codec (:mod:`dpool.protocol`) or segment
+code (:mod:`dpool.shm`): the point is to measure the design without dpool's
+code. It shares only :func:`dpool.pool.worker_env`, the workers' process
+environment (thread counts, heap setting), so that the comparison is about
+the per-step path.
 """
 from __future__ import annotations
 
@@ -103,7 +109,7 @@ def _worker(wname: str, prefix: str, endpoint: str, k: int, workers: int) -> Non
         os._exit(1)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # sized by dpool's worker_env(), as dpool's workers
     torch.set_num_interop_threads(1)
     model = WORKLOADS[wname].make()
     params = list(model.parameters())
