@@ -490,6 +490,13 @@ class Pool:
             if isinstance(msg, P.Output):  # an attached worker's prints: shown as embedded workers' are
                 _show(f"dpool worker {idx}", msg.text, msg.stream == 2)
                 continue
+            if not isinstance(msg, (P.Hello, P.AllReduce)):
+                # A reply. Every reply settles one request, wherever it is read: a reply owed by an
+                # abandoned round (a failed send to another worker, Ctrl-C) is dropped here, and the
+                # reply to the current request is the one that brings the count to zero.
+                self._pending[idx] -= 1
+                if self._pending[idx] > 0:
+                    continue
             out.append((idx, msg))
         return out
 
@@ -562,8 +569,7 @@ class Pool:
                     if isinstance(msg, P.AllReduce):
                         self._allreduce(idx, msg)
                         continue
-                    self._pending[idx] -= 1
-                    if self._pending[idx] == 0 and idx in need:
+                    if idx in need:
                         replies[idx] = msg
                         need.discard(idx)
                         if isinstance(msg, P.Failed):

@@ -7,6 +7,7 @@ did, and the workers' pids (for the outer leak check).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -207,6 +208,86 @@ def run(name: str, p: dict) -> dict:
     return out
 
 
+def _fixed_batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randn(8, 4, generator=g) for _ in range(n)]
+
+
+def _train(model, opt, batches) -> None:
+    for x in batches:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def restart_phase(phase: str) -> dict:
+    """Kill worker 1 in ``phase`` with ``max_restarts=1``; then train 3 steps and compare, bit for bit,
+    with a fresh pool that trains the same 3 steps from the same master and optimizer state."""
+    torch.manual_seed(0)
+    net = Victim()
+    model = dpool.wrap(net, ["cpu", "cpu"], max_restarts=1, step_timeout_s=20)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    good_step(model, opt)
+    pids = model.pids
+    victim = pids[1]
+    out: dict = {"pids": pids, "phase": phase}
+
+    def kill() -> None:
+        os.kill(victim, signal.SIGKILL)
+        while psutil.pid_exists(victim) and psutil.Process(victim).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+        time.sleep(0.3)  # long enough for ZeroMQ to see the peer gone: the next send to it fails
+
+    t0 = time.monotonic()
+    try:
+        if phase == "between_steps":
+            kill()
+            good_step(model, opt)
+        elif phase == "between_forward_and_backward":
+            y = model(batch())
+            kill()
+            y.pow(2).mean().backward()
+        elif phase == "during_optimizer_step":
+            opt.zero_grad()
+            model(batch()).pow(2).mean().backward()
+            handle = opt.register_step_pre_hook(lambda *_: kill())
+            opt.step()  # the kill lands while the master steps; the next call finds the worker dead
+            handle.remove()
+            good_step(model, opt)
+        elif phase == "mid_step_other_busy":
+            # worker 0 sleeps 6 s in its forward; worker 1 dies meanwhile: worker 0's reply arrives
+            # after the restart, and must not be taken for the answer to a later request
+            _later(0.5, kill)
+            model(batch(1, shard=0))
+        else:
+            raise KeyError(phase)
+        out["error"] = None
+    except dpool.WorkerDiedError as exc:
+        out["error"] = type(exc).__name__
+        out["message"] = str(exc)
+    out["detect_s"] = time.monotonic() - t0
+    # the state the next steps start from: a fresh pool must compute the same from it
+    start_state = {k: v.clone() for k, v in net.state_dict().items()}
+    start_opt = copy.deepcopy(opt.state_dict())
+    t0 = time.monotonic()
+    _train(model, opt, _fixed_batches(3))
+    out["next_s"] = time.monotonic() - t0
+    after = [t.clone() for t in net.state_dict().values()]
+    out["pids_after"] = model.pids
+    model.close()
+
+    fresh_net = Victim()
+    fresh_net.load_state_dict(start_state)
+    fresh = dpool.wrap(fresh_net, ["cpu", "cpu"])
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    fresh_opt.load_state_dict(start_opt)
+    _train(fresh, fresh_opt, _fixed_batches(3))
+    out["pids_after"] += fresh.pids
+    fresh.close()
+    out["bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(after, fresh_net.state_dict().values()))
+    return out
+
+
 def _is_private(t: torch.Tensor) -> bool:
     """True if ``t`` no longer lives in a dpool shared segment (close() gave it private memory)."""
     with open("/proc/self/maps") as f:
@@ -215,5 +296,8 @@ def _is_private(t: torch.Tensor) -> bool:
 
 
 if __name__ == "__main__":
-    result = run(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
+    if sys.argv[1] == "restart":
+        result = restart_phase(sys.argv[2])
+    else:
+        result = run(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
     print("RESULT " + json.dumps(result), flush=True)

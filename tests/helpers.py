@@ -24,6 +24,27 @@ def run_script(code: str, timeout: float = 90.0, cwd: str | None = None, env: di
                           cwd=cwd or ROOT, env=full_env)
 
 
+def run_scripts(codes: list[str], timeout: float = 120.0, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Run several coordinator scripts at once (slow fault scenarios in parallel), each like ``run_script``."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join([ROOT, full_env.get("PYTHONPATH", "")])
+    full_env["PYTHONFAULTHANDLER"] = "1"
+    if env:
+        full_env.update(env)
+    head = "import faulthandler, sys\nfaulthandler.dump_traceback_later(%r, exit=True)\n" % (timeout - 5)
+    procs = [subprocess.Popen([sys.executable, "-c", head + textwrap.dedent(c)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=full_env) for c in codes]
+    results = []
+    for p, c in zip(procs, codes):
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
 def snapshot(module: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> dict:
     """Everything a failed step must leave untouched."""
     snap = {

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers import run_script
+from tests.helpers import run_script, run_scripts
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +112,25 @@ def test_max_restarts_respawns_and_resyncs(name):
     assert "restarted and re-synced" in r["message"]
     assert r["unchanged"] is True and r["next"] == "ok" and r["next_params_finite"]
     assert r["pids_after"][0] == r["pids"][0] and r["pids_after"][1] != r["pids"][1]
+
+
+RESTART_PHASES = ["between_steps", "between_forward_and_backward", "during_optimizer_step", "mid_step_other_busy"]
+
+
+def test_r2_every_call_after_a_restart_runs_normally():
+    """A worker SIGKILLed in any phase with max_restarts=1: one WorkerDiedError, then normal steps that
+    equal, bit for bit, a fresh pool's from the same state (no reply lost while the worker respawned)."""
+    codes = [f"from tests.fault_scenarios import restart_phase; import json; "
+             f"print('RESULT ' + json.dumps(restart_phase({ph!r})))" for ph in RESTART_PHASES]
+    for phase, res in zip(RESTART_PHASES, run_scripts(codes, timeout=110)):
+        lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+        assert res.returncode == 0 and lines, f"{phase}:\n{res.stdout}\n{res.stderr[-3000:]}"
+        r = json.loads(lines[-1][len("RESULT "):])
+        assert r["error"] == "WorkerDiedError" and "restarted and re-synced" in r["message"], (phase, r)
+        assert r["next_s"] < 30, (phase, r)  # bounded by the 6 s sleep of mid_step_other_busy, far from a hang
+        assert r["bitwise_equal"] is True, (phase, r)
+        pids = r["pids"] + r["pids_after"]
+        assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10), (phase, "leaked workers")
 
 
 @pytest.mark.parametrize("name,how", [("segfault", "killed by SIGSEGV"), ("exit0", "exited with code 0")])
