@@ -433,6 +433,7 @@ class Runtime:
             if grad:
                 self._release.add(call)
             gathered = state.gather()
+        state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
         rows = next((sizes for sizes in splits if sizes is not None), [1] * k)
         if self._balance:
             for s in range(k):
@@ -593,6 +594,12 @@ class Runtime:
         master = getattr(self, "master", None)
         if master is not None:
             master.close_fd()
+        # Drop every reference to shared memory: a graph or output the user still holds keeps this
+        # object alive, but not the mappings (each one also holds an fd; see close() in DataParallel).
         self.param_views = self.buffer_views = []
         self._io = []
+        self._regions = []
         self._live.clear()
+        for name in ("master", "states", "_grad_slots", "_buffer_slots", "_master_buffers", "_first_buffers",
+                     "_buffers"):
+            self.__dict__.pop(name, None)

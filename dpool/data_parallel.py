@@ -11,7 +11,9 @@ import psutil
 import torch
 from torch import nn
 
+from . import protocol as P
 from .config import Config
+from .daemon_client import read_pool, request
 from .errors import PoolBrokenError
 
 __all__ = ["DataParallel", "wrap", "unwrap", "is_wrapped"]
@@ -133,11 +135,7 @@ class DataParallel(nn.Module):
             raise TypeError(f"dpool.wrap expects an nn.Module, got {type(module).__name__}")
         pool = pool if pool is not None else (os.environ.get("DPOOL_POOL") or None)
         if pool is not None:  # attach to a running dpool-workers daemon: its devices
-            from workers.daemon import read_pool, request
-
             if pool.startswith("tcp://"):  # a pool started with --listen; its key comes from DPOOL_KEY_FILE
-                from . import protocol as P
-
                 devices = [w["device"] for w in request(pool, P.StatusRequest()).info["workers"]]
             else:
                 state, _ = read_pool(pool)

@@ -11,6 +11,7 @@ Hierarchy::
     ├── WorkerTimeoutError     no heartbeat, or a step passed its deadline
     ├── WorkerStartError       a worker failed to start or to load the model
     ├── PoolBrokenError        the pool is unusable after an earlier failure
+    │   └── ForkedChildError   a forked child called a model whose pool belongs to its parent
     ├── DaemonLostError        the dpool-workers daemon of an attached pool is gone
     ├── ProtocolError          a malformed, oversized or foreign message
     │   └── AuthError          a message failed authentication
@@ -27,6 +28,7 @@ __all__ = [
     "WorkerTimeoutError",
     "WorkerStartError",
     "PoolBrokenError",
+    "ForkedChildError",
     "DaemonLostError",
     "ProtocolError",
     "AuthError",
@@ -129,6 +131,13 @@ class DaemonLostError(DpoolError):
 
 class PoolBrokenError(DpoolError):
     """The pool was broken by an earlier failure, or closed; every call raises this."""
+
+
+class ForkedChildError(PoolBrokenError, RuntimeError):
+    """A process forked after ``wrap()`` (a ``DataLoader`` worker, ``os.fork()``) called the model.
+
+    Raised at once in the child; the parent's pool is not touched and stays usable.
+    """
 
 
 class ProtocolError(DpoolError):

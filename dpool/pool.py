@@ -2,7 +2,7 @@
 
 ::
 
-    coordinator (training script)                          worker k  (python -m workers.worker)
+    coordinator (training script)                          worker k  (dpool_workers.worker)
     ─────────────────────────────                          ────────────────────────────────────
     Pool.__init__
       runtime dir 0700, key = 32 random bytes
@@ -59,11 +59,12 @@ vanished or stalled worker into an error instead of a silent drop.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
+import re
 import secrets
 import select
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -73,6 +74,7 @@ import weakref
 from typing import Any, Sequence
 
 import msgpack
+import psutil
 import torch
 import zmq
 
@@ -81,52 +83,86 @@ from .config import Config
 from .errors import (
     DaemonLostError,
     DpoolError,
+    ForkedChildError,
     PoolBrokenError,
     ProtocolError,
     WorkerDiedError,
     WorkerStartError,
     WorkerTimeoutError,
 )
+from .daemon_client import locate, read_pool, request, runtime_dir
 from .shm import Segment, segment_prefix
 
-__all__ = ["Pool", "runtime_dir"]
+__all__ = ["Pool", "runtime_dir", "worker_command", "worker_env"]
 
 _STDERR_TAIL = 40
 
 
-def runtime_dir() -> str:
-    """This user's private directory for sockets: ``$XDG_RUNTIME_DIR/dpool`` or ``/tmp/dpool-<uid>``.
 
-    Created with mode 0700. Refuses (``PermissionError``) to use a directory
-    owned by another user or open to group or others.
-    """
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = os.path.join(base, "dpool") if base and os.path.isdir(base) else f"/tmp/dpool-{os.getuid()}"
+
+def sweep_sockets(directory: str) -> list[str]:
+    """Remove this user's coordinator socket files (``dpool-<uid>-<pid>-<token>.sock``) whose owner is dead."""
+    removed = []
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(
-            f"dpool runtime directory {path} must be a directory owned by uid {os.getuid()} with mode 0700 "
-            f"(found owner {st.st_uid}, mode {oct(st.st_mode & 0o777)}); remove it or fix its permissions"
-        )
-    return path
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _SOCK_NAME.match(name)
+        if m is None or int(m.group(1)) != os.getuid() or psutil.pid_exists(int(m.group(2))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
-WORKER_COMMAND = [sys.executable, "-m", "workers.worker"]
+_SOCK_NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+\.sock$")
+
+
+_DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker_package_dir() -> str:
+    """The folder of dpool's worker package (``workers/`` in the source tree, installed as ``dpool_workers``)."""
+    try:
+        spec = importlib.util.find_spec("dpool_workers")  # finds it without importing it
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        return list(spec.submodule_search_locations)[0]
+    return os.path.join(_DPOOL_ROOT, "workers")  # a source checkout used without installing it
+
+
+# How dpool starts its worker-side programs. The bootstrap loads dpool's worker package from its
+# folder under the name ``dpool_workers`` after taking the current directory off ``sys.path``, so
+# nothing of the user's (a ``workers.py`` beside the script, another ``workers`` package) can shadow
+# it, installed or not.
+_BOOT = (
+    "import sys, importlib, importlib.util as u\n"
+    "sys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
+    "d, name = sys.argv[1], sys.argv[2]\n"
+    "s = u.spec_from_file_location('dpool_workers', d + '/__init__.py', submodule_search_locations=[d])\n"
+    "m = u.module_from_spec(s); sys.modules['dpool_workers'] = m; s.loader.exec_module(m)\n"
+    "sys.argv = ['dpool_workers.' + name] + sys.argv[3:]\n"
+    "sys.exit(importlib.import_module('dpool_workers.' + name).main())\n"
+)
+
+
+def worker_command(program: str = "worker", *args: str) -> list[str]:
+    """The command line of a worker-side program: ``"worker"`` (boot data on stdin) or ``"daemon"``."""
+    return [sys.executable, "-c", _BOOT, worker_package_dir(), program, *args]
 
 
 WORKER_MALLOC_KEEP = 1 << 30  # bytes: blocks up to 1 GiB come from (and stay in) the heap
 
 
 def worker_env(threads: int) -> dict[str, str]:
-    """The environment of a worker process: ``workers`` importable, native thread pools sized on purpose."""
-    import workers as _workers_pkg
-
+    """The environment of a worker process: this dpool importable, native thread pools sized on purpose."""
     env = dict(os.environ)
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(_workers_pkg.__file__)))
+    pkg_root = _DPOOL_ROOT
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
@@ -201,6 +237,7 @@ class Pool:
         self.config = config
         self.threads = threads
         self.prefix = segment_prefix()
+        self.owner_pid = os.getpid()  # a forked child that inherited this pool must not use or close it
         self.step = 0
         self._broken: str | None = None
         self._closed = False
@@ -224,12 +261,15 @@ class Pool:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDTIMEO, 5000)
         self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + 1024)
-        self.sock_path = os.path.join(runtime_dir(), self.prefix + ".sock")
+        rdir = runtime_dir()
+        sweep_sockets(rdir)  # socket files of coordinators that died without cleaning up
+        self.sock_path = os.path.join(rdir, self.prefix + ".sock")
         self.endpoint = "ipc://" + self.sock_path
         self._poller = zmq.Poller()
         self._pass_fds: list[int] = []
         # Runs at GC of an unreferenced pool and at interpreter exit; holds no reference to self.
-        self._finalizer = weakref.finalize(self, _reap, self.workers, self._segments)
+        self._finalizer = weakref.finalize(self, _reap, self.owner_pid, self.workers, self._segments,
+                                          self.sock_path)
         try:
             self._sock.bind(self.endpoint)
             os.chmod(self.sock_path, 0o600)
@@ -262,7 +302,6 @@ class Pool:
 
     def _attach_daemon(self) -> None:
         """Borrow the warm workers of the ``dpool-workers`` pool ``self.attach`` (see workers/daemon.py)."""
-        from workers.daemon import locate, request
 
         name = self.attach
         assert name is not None
@@ -349,7 +388,7 @@ class Pool:
         env = worker_env(self.threads)
         env.setdefault("PYTHONUNBUFFERED", "1")
         w.proc = subprocess.Popen(
-            WORKER_COMMAND,
+            worker_command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -374,6 +413,7 @@ class Pool:
             "ppid": os.getpid(),
             "threads": self.threads,
             "shm_dir": self.config.shm_dir,
+            "prefix": self.prefix,  # on our death the worker removes every name with it (segments, socket)
             "control": self.control.fd_ref(),
             "config": self.config.for_worker(),
         }
@@ -415,6 +455,13 @@ class Pool:
         return self._broken is None and not self._closed
 
     def check_usable(self) -> None:
+        if os.getpid() != self.owner_pid:
+            raise ForkedChildError(
+                f"a dpool model cannot be used in a forked child process (this is pid {os.getpid()}; the pool "
+                f"belongs to pid {self.owner_pid}). DataLoader workers and os.fork() children inherit the wrapped "
+                "model but not its worker processes: call the model in the parent, give the child "
+                "dpool.unwrap(model) (or a copy of it), or use DataLoader(multiprocessing_context='spawn')."
+            )
         if self._closed and self._broken is None:
             raise PoolBrokenError(
                 "this dpool pool is closed; wrap the module again, or use dpool.unwrap(model) to run it directly"
@@ -611,9 +658,10 @@ class Pool:
     def _raise_dead(self, w: _Worker, stage: str, others: Sequence[_Worker] = (), detail: str = "") -> None:
         if w.proc is None:  # a daemon's worker: not our child, so no exit status
             fd = getattr(self, "_daemon_fd", None)
-            if fd is not None and select.select([fd], [], [], 0.2)[0]:
+            if (fd is not None and select.select([fd], [], [], 0.2)[0]) or self._daemon_stopping():
                 raise DaemonLostError(
-                    f"the dpool-workers daemon of pool {self.attach!r} (pid {self.daemon_pid}) is gone: {w.where()} "
+                    f"the dpool-workers daemon of pool {self.attach!r} (pid {self.daemon_pid}) is gone or was "
+                    f"stopped: {w.where()} "
                     f"exited while {stage} at step {self.step}. The master module is unchanged (dpool.unwrap(model) "
                     f"returns it); start the pool again (dpool-workers start --name {self.attach}) and wrap again."
                 )
@@ -654,6 +702,16 @@ class Pool:
             text, worker=w.index, device=w.device, pid=w.pid, step=self.step, exitcode=rc if rc is not None and rc >= 0 else None,
             signal_name=sig, workers=[w.index] + [o.index for o in others],
         )
+
+    def _daemon_stopping(self) -> bool:
+        """Whether our daemon is stopping (it says so in its state file before it ends our workers) or gone."""
+        if self.attach is None or self.attach.startswith("tcp://"):
+            return False  # a TCP client may not see the pool's directory: the pidfd alone tells
+        try:
+            state, _ = read_pool(self.attach)
+        except (OSError, ValueError):
+            return True  # no daemon holds the pool's lock any more
+        return bool(state.get("stopping")) or state.get("pid") != self.daemon_pid
 
     def _dump_and_kill(self, w: _Worker) -> None:
         try:
@@ -712,8 +770,6 @@ class Pool:
                     pass
             w.alive = False
         try:
-            from workers.daemon import request
-
             assert self.attach is not None
             request(self.attach, P.DetachRequest(os.getpid()), timeout=2.0)
         except Exception:
@@ -724,6 +780,11 @@ class Pool:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self.owner_pid:
+            # A forked child's copy: the workers, the socket file and the segments are the parent's, and a
+            # ZeroMQ context must not be used after fork. Drop it without touching any of them.
+            self._finalizer.detach()
+            return
         self._terminate_workers(grace=0.0 if self._in_round else self.config.shutdown_timeout_s)
         for w in self.workers:
             for t in w.threads:
@@ -749,6 +810,11 @@ class Pool:
         for seg in self._segments:
             seg.close_fd()
         self._segments.clear()
+        control = getattr(self, "control", None)
+        if control is not None:  # unlinked at start, so no longer in _segments: its fd is closed here
+            control.close_fd()
+            self._beats = None  # the last view of the control mapping: it is unmapped with the segment
+            self.control = None
         fd = getattr(self, "_daemon_fd", None)
         if fd is not None:
             os.close(fd)
@@ -780,8 +846,19 @@ def _kill_and_join(w: _Worker) -> None:
     w.alive = False
 
 
-def _reap(workers: list[_Worker], segments: list[Segment]) -> None:  # pragma: no cover - GC / exit path
+def _reap(owner: int, workers: list[_Worker], segments: list[Segment], sock_path: str) -> None:  # pragma: no cover
+    """GC / interpreter-exit cleanup of a pool nobody closed."""
+    if os.getpid() != owner:
+        return  # a forked child's exit: the workers, segments and socket belong to the parent
     for w in workers:
         _kill_and_join(w)
     for seg in segments:
         seg.unlink()
+    _unlink_socket(sock_path)
+
+
+def _unlink_socket(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

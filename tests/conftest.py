@@ -24,27 +24,61 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
     return bool(predicate())
 
 
-def assert_no_leaks(before_children: set[int] = frozenset(), before_shm: set[str] = frozenset()) -> None:
+def open_fds() -> dict[int, str]:
+    """This process's open file descriptors and what they point at."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the fd of the listing itself, or one closed meanwhile
+            pass
+    return out
+
+
+def dpool_sockets() -> set[str]:
+    """Coordinator socket files of this process in dpool's runtime directory."""
+    from dpool.daemon_client import runtime_dir
+
+    mine = f"dpool-{os.getuid()}-{os.getpid()}-"
+    return {n for n in os.listdir(runtime_dir()) if n.startswith(mine) and n.endswith(".sock")}
+
+
+def assert_no_leaks(before_children: set[int] = frozenset(), before_shm: set[str] = frozenset(),
+                    before_fds: dict[int, str] | None = None, before_socks: set[str] = frozenset()) -> None:
     me = psutil.Process()
+
+    def new_fds() -> dict[int, str]:
+        if before_fds is None:
+            return {}
+        return {fd: t for fd, t in open_fds().items() if before_fds.get(fd) != t}
 
     def clean() -> bool:
         kids = [p for p in me.children(recursive=True) if p.pid not in before_children and p.status() != psutil.STATUS_ZOMBIE]
-        return not kids and not (dpool_segments() - before_shm)
+        return not kids and not (dpool_segments() - before_shm) and not new_fds() and not (dpool_sockets() - before_socks)
 
     if not wait_for(clean, timeout=10.0):
         kids = [(p.pid, p.cmdline()) for p in me.children(recursive=True) if p.pid not in before_children]
-        raise AssertionError(f"leaked processes {kids} / segments {sorted(dpool_segments() - before_shm)}")
+        raise AssertionError(f"leaked processes {kids} / segments {sorted(dpool_segments() - before_shm)} / "
+                             f"file descriptors {new_fds()} / socket files {sorted(dpool_sockets() - before_socks)}")
 
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    """Fail the test if it leaves a child process or a dpool /dev/shm segment behind."""
+    """Fail the test if it leaves a child process, a dpool /dev/shm segment, a file descriptor or a
+    coordinator socket file behind."""
+    yield from leak_check()
+
+
+def leak_check():
+    """The body of :func:`no_leaks`: snapshot, ``yield`` (the test runs), check, restore threads."""
     me = psutil.Process()
     before_children = {p.pid for p in me.children(recursive=True)}
     before_shm = dpool_segments()
+    before_fds = open_fds()
+    before_socks = dpool_sockets()
     threads = torch.get_num_threads()
     yield
-    assert_no_leaks(before_children, before_shm)
+    assert_no_leaks(before_children, before_shm, before_fds, before_socks)
     torch.set_num_threads(threads)
 
 

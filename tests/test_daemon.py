@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "workers.daemon", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -118,7 +118,7 @@ def test_attached_workers_prints_reach_the_client_labelled(pool_name):
 
 
 def test_files_are_private_and_no_tcp_listener(pool_name):
-    from workers.daemon import pool_dir
+    from dpool.daemon_client import pool_dir
 
     d = pool_dir(pool_name)
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
@@ -131,7 +131,7 @@ def test_files_are_private_and_no_tcp_listener(pool_name):
 @pytest.fixture
 def tcp_pool():
     """A pool started with ``--listen 0``: (name, tcp endpoint, key file)."""
-    from workers.daemon import pool_dir
+    from dpool.daemon_client import pool_dir
 
     for name, res in _running_pool("--listen", "0"):
         endpoint = status(name)["listen"]
@@ -166,7 +166,7 @@ def test_tcp_listener_only_when_asked_on_loopback_and_authenticated(tcp_pool, tm
 
 
 def test_listen_argument_parsing():
-    from workers.daemon import parse_listen
+    from dpool_workers.daemon import parse_listen
 
     assert parse_listen("0") == "tcp://127.0.0.1:0"  # loopback unless a host is given
     assert parse_listen("10.0.0.5:7000") == "tcp://10.0.0.5:7000"
@@ -187,7 +187,7 @@ def test_relay_on_the_tcp_path_never_sees_the_model_or_a_key(tcp_pool, monkeypat
     import zmq
 
     from dpool import protocol as P
-    from workers.daemon import read_key_file
+    from dpool.daemon_client import read_key_file
 
     name, endpoint, key_file = tcp_pool
     monkeypatch.setenv("DPOOL_KEY_FILE", key_file)
@@ -337,7 +337,7 @@ def test_foreign_key_is_rejected_before_decoding(pool_name, tmp_path):
     import zmq
 
     from dpool import protocol as P
-    from workers.daemon import read_pool
+    from dpool.daemon_client import read_pool
 
     canary = tmp_path / "canary"
 

@@ -20,7 +20,7 @@ keys are derived from the pool key and a client nonce, never sent, so a process 
 the port first learns nothing that lets it receive the model. Tensors still go through shared
 memory, so client and workers must share a host (and ``/dev/shm``) either way.
 
-Lifecycle. The daemon spawns one worker per device (``python -m workers.worker`` in daemon
+Lifecycle. The daemon spawns one worker per device (``dpool_workers.worker`` in daemon
 mode) and waits for their hello. A client (``dpool.wrap(net, pool=NAME)``) sends an
 authenticated ``attach_request`` with its pid, its own socket endpoint and a fresh nonce
 (both sides derive the session key from it); the daemon grants a lease (one client at a time; a second gets an error naming the holder's
@@ -46,110 +46,12 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["locate", "main", "pool_dir", "read_key_file", "read_pool", "request"]
+from dpool.daemon_client import POOL_FILES, lock_held, pool_dir, read_key_file, read_pool, request
+from dpool.pool import worker_command
+
+__all__ = ["main", "parse_listen"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_ALREADY_RUNNING = 0, 1, 2, 3, 4
-
-
-def pool_dir(name: str, create: bool = False) -> str:
-    """``<runtime dir>/pools/<name>``, mode 0700."""
-    from dpool.pool import runtime_dir
-
-    if not name or "/" in name or name.startswith("."):
-        raise ValueError(f"invalid pool name {name!r}")
-    base = os.path.join(runtime_dir(), "pools")
-    path = os.path.join(base, name)
-    if create:
-        os.makedirs(base, mode=0o700, exist_ok=True)
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        os.chmod(path, 0o700)
-    return path
-
-
-def _lock_held(path: str) -> bool:
-    try:
-        fd = os.open(os.path.join(path, "lock"), os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def read_pool(name: str) -> tuple[dict, bytes]:
-    """State and key of a running pool. Raises ``FileNotFoundError`` if none is running."""
-    path = pool_dir(name)
-    if not _lock_held(path):
-        raise FileNotFoundError(f"no dpool-workers pool named {name!r} is running (start one: dpool-workers start --name {name})")
-    with open(os.path.join(path, "state.json")) as f:
-        state = json.load(f)
-    st = os.stat(os.path.join(path, "key"))
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{path}/key must be owned by uid {os.getuid()} with mode 0600")
-    with open(os.path.join(path, "key"), "rb") as f:
-        return state, f.read()
-
-
-def read_key_file(path: str) -> bytes:
-    """A pool key from ``path``, which must be owned by this user with mode 0600."""
-    st = os.stat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{path} must be owned by uid {os.getuid()} with mode 0600")
-    with open(path, "rb") as f:
-        key = f.read()
-    if len(key) < 16:
-        raise ValueError(f"{path} does not hold a dpool pool key (it has {len(key)} bytes)")
-    return key
-
-
-def locate(pool: str) -> tuple[str, bytes, str]:
-    """Endpoint, key and a label of ``pool``: a pool name, or ``tcp://HOST:PORT`` of a pool started
-    with ``--listen``, whose key is read from the file named by ``DPOOL_KEY_FILE``."""
-    if pool.startswith("tcp://"):
-        path = os.environ.get("DPOOL_KEY_FILE")
-        if not path:
-            raise ValueError(
-                f"attaching to {pool} needs the pool's key: set DPOOL_KEY_FILE to its key file "
-                "(<runtime dir>/pools/<name>/key on the daemon's side; keep the copy at mode 0600)"
-            )
-        return pool, read_key_file(path), f"pool at {pool}"
-    state, key = read_pool(pool)
-    return state["endpoint"], key, f"pool {pool!r} (daemon pid {state['pid']})"
-
-
-def request(pool: str, msg: Any, timeout: float = 5.0) -> Any:
-    """Send one authenticated request to the daemon of ``pool`` (see :func:`locate`) and return its reply."""
-    import zmq
-
-    from dpool import protocol as P
-
-    endpoint, key, label = locate(pool)
-    codec = P.Codec(key)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-    sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_hex(6).encode())
-    try:
-        sock.connect(endpoint)
-        sock.send(codec.encode(msg, 1))
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
-                hint = " (a daemon answers nobody whose key is wrong: check DPOOL_KEY_FILE)" if endpoint.startswith("tcp://") else ""
-                raise TimeoutError(f"the dpool-workers daemon of {label} did not answer within {timeout:g}s{hint}")
-            try:
-                return codec.decode(sock.recv_multipart())[1]
-            except P.ProtocolError:
-                continue  # not from the daemon (it would hold the key): ignored, never decoded further
-    finally:
-        sock.close(linger=0)
-        ctx.term()
 
 
 def parse_listen(text: str) -> str:
@@ -233,15 +135,17 @@ class Daemon:
         self.client_fd = -1
         self.attached_at = 0.0
         self.stopping = False
+        self.started_at = time.time()
+        self.next_sweep = 0.0
 
     # ------------------------------------------------------------------ workers
     def spawn(self, w: _W) -> None:
         import msgpack
 
-        from dpool.pool import WORKER_COMMAND, worker_env
+        from dpool.pool import worker_env
 
         w.generation += 1
-        w.proc = subprocess.Popen(WORKER_COMMAND, stdin=subprocess.PIPE, env=worker_env(self.threads))
+        w.proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, env=worker_env(self.threads))
         w.pidfd = os.pidfd_open(w.proc.pid)
         self.poller.register(w.pidfd, 1)
         w.state, w.started = "starting", time.time()
@@ -261,14 +165,14 @@ class Daemon:
         except zmq.ZMQError:
             pass
 
-    def write_state(self) -> None:
+    def write_state(self, stopping: bool = False) -> None:
         import dpool
         import torch
 
         state = {"name": self.name, "pid": os.getpid(), "endpoint": self.endpoint, "listen": self.tcp_endpoint,
                  "devices": self.devices,
                  "threads": self.threads, "dpool": dpool.__version__, "torch": torch.__version__,
-                 "started": time.time()}
+                 "started": self.started_at, "stopping": stopping}
         tmp = os.path.join(self.dir, "state.json.tmp")
         with open(tmp, "w") as f:
             json.dump(state, f)
@@ -302,6 +206,8 @@ class Daemon:
                 self.release()
             if events.get(self.sock):
                 self.drain()
+            if time.monotonic() >= self.next_sweep:
+                self.sweep()
             if not ready_written and all(w.state == "idle" for w in self.workers):
                 self.write_state()
                 ready_written = True
@@ -382,6 +288,21 @@ class Daemon:
             self.poller.unregister(self.client_fd)
             os.close(self.client_fd)
         self.client, self.client_fd = None, -1
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Remove segments and socket files of dead clients, every second and when a client goes.
+
+        A client SIGKILLed while attaching, or while it grows a segment, leaves names no worker
+        knew of; nobody else would remove them until the next ``wrap()``.
+        """
+        from dpool.daemon_client import runtime_dir
+        from dpool.pool import sweep_sockets
+        from dpool.shm import sweep
+
+        self.next_sweep = time.monotonic() + 1.0
+        for name in sweep(self.config.shm_dir) + sweep_sockets(runtime_dir()):
+            print(f"removed {name} (its owner died)", file=sys.stderr, flush=True)
 
     def status(self) -> dict:
         import psutil
@@ -402,6 +323,16 @@ class Daemon:
     def shutdown(self) -> int:
         from dpool import protocol as P
 
+        if self.client is not None:
+            # A client is attached: say so in the state file *before* its workers go, so that the
+            # client reports DaemonLostError (not a restartable worker death), then end them now:
+            # a serving worker does not read the daemon's socket, so a shutdown would only wait.
+            print(f"stopping while client {self.client} is attached; its call fails with DaemonLostError",
+                  file=sys.stderr, flush=True)
+            self.write_state(stopping=True)
+            for w in self.workers:
+                if w.proc is not None and w.state == "busy":
+                    w.proc.kill()
         for w in self.workers:
             self.send(w.ident, P.Shutdown())
         deadline = time.time() + 3
@@ -416,7 +347,7 @@ class Daemon:
         self.sock.close(linger=0)
         self.ctx.term()
         # A clean stop leaves nothing: the pool's directory goes (a crash keeps it, log included).
-        for f in ("state.json", "daemon.sock", "key", "daemon.log", "lock"):
+        for f in POOL_FILES:
             try:
                 os.unlink(os.path.join(self.dir, f))
             except FileNotFoundError:
@@ -445,7 +376,7 @@ def cmd_start(a: argparse.Namespace) -> int:
         print(f"dpool-workers: {exc}", file=sys.stderr)
         return EXIT_USAGE
     path = pool_dir(a.name, create=True)
-    if _lock_held(path):
+    if lock_held(path):
         pid = "?"
         try:
             pid = json.load(open(os.path.join(path, "state.json")))["pid"]
@@ -470,7 +401,7 @@ def cmd_start(a: argparse.Namespace) -> int:
         return Daemon(a.name, devices, threads, listen).run()
     log = open(os.path.join(path, "daemon.log"), "ab")
     extra = ["--listen", a.listen] if a.listen is not None else []
-    proc = subprocess.Popen([sys.executable, "-m", "workers.daemon", "start", "--name", a.name, "--device-ids",
+    proc = subprocess.Popen([*worker_command("daemon"), "start", "--name", a.name, "--device-ids",
                              ",".join(devices), "--threads", str(threads), "--foreground", *extra],
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     deadline = time.time() + a.timeout
@@ -564,8 +495,8 @@ def cmd_stop(a: argparse.Namespace) -> int:
                 break
     finally:
         os.close(fd)
-    if not _lock_held(path):  # in case the daemon had to be killed: remove what it left
-        for f in ("state.json", "daemon.sock", "key", "daemon.log", "lock"):
+    if not lock_held(path):  # in case the daemon had to be killed: remove what it left
+        for f in POOL_FILES:
             try:
                 os.unlink(os.path.join(path, f))
             except FileNotFoundError:

@@ -1,4 +1,4 @@
-"""A dpool worker process: ``python -m workers.worker``, started by :class:`dpool.pool.Pool`.
+"""A dpool worker process: ``dpool_workers.worker`` (the ``workers/`` folder), started by :class:`dpool.pool.Pool`.
 
 Start-up reads a msgpack map from stdin (auth key, endpoint, index, device,
 parent pid, limits), then:
@@ -145,6 +145,11 @@ def main() -> None:
 
     def on_parent_death() -> None:
         _unlink(boot["shm_dir"], known)
+        if boot.get("prefix"):  # names the coordinator made that we never saw (it died while growing one)
+            _unlink_prefix(boot["shm_dir"], boot["prefix"])
+            endpoint = boot["endpoint"]
+            if endpoint.startswith("ipc://"):
+                _unlink(os.path.dirname(endpoint[6:]), {os.path.basename(endpoint[6:])})
         os._exit(0)
 
     if os.getppid() != boot["ppid"]:
@@ -222,6 +227,15 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
     sock.close(linger=0)
     ctx.term()
     os._exit(0)
+
+
+def _unlink_prefix(shm_dir: str, prefix: str) -> None:
+    """Unlink every segment of the dead coordinator's pool (``<prefix>-<n>``), known to us or not."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return
+    _unlink(shm_dir, {n for n in names if n.startswith(prefix + "-")})
 
 
 def _unlink(shm_dir: str, names: set[str]) -> None:

@@ -1,0 +1,139 @@
+"""The client side of the ``dpool-workers`` daemon: where pools live, and one authenticated request.
+
+The daemon itself (``workers/daemon.py``) and the library both use these; the library never
+imports the daemon. Files of a pool live in ``<runtime dir>/pools/<name>/`` (see the daemon's
+module docstring); the runtime directory is private to the user (0700).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import stat
+import time
+from typing import Any
+
+import zmq
+
+from . import protocol as P
+
+__all__ = ["runtime_dir", "pool_dir", "lock_held", "read_pool", "read_key_file", "locate", "request",
+           "POOL_FILES"]
+
+POOL_FILES = ("state.json", "daemon.sock", "key", "daemon.log", "lock")  # what a pool directory holds
+
+def runtime_dir() -> str:
+    """This user's private directory for sockets: ``$XDG_RUNTIME_DIR/dpool`` or ``/tmp/dpool-<uid>``.
+
+    Created with mode 0700. Refuses (``PermissionError``) to use a directory
+    owned by another user or open to group or others.
+    """
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = os.path.join(base, "dpool") if base and os.path.isdir(base) else f"/tmp/dpool-{os.getuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"dpool runtime directory {path} must be a directory owned by uid {os.getuid()} with mode 0700 "
+            f"(found owner {st.st_uid}, mode {oct(st.st_mode & 0o777)}); remove it or fix its permissions"
+        )
+    return path
+
+
+def pool_dir(name: str, create: bool = False) -> str:
+    """``<runtime dir>/pools/<name>``, mode 0700."""
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"invalid pool name {name!r}")
+    base = os.path.join(runtime_dir(), "pools")
+    path = os.path.join(base, name)
+    if create:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
+    return path
+
+
+def lock_held(path: str) -> bool:
+    try:
+        fd = os.open(os.path.join(path, "lock"), os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def read_pool(name: str) -> tuple[dict, bytes]:
+    """State and key of a running pool. Raises ``FileNotFoundError`` if none is running."""
+    path = pool_dir(name)
+    if not lock_held(path):
+        raise FileNotFoundError(f"no dpool-workers pool named {name!r} is running (start one: dpool-workers start --name {name})")
+    with open(os.path.join(path, "state.json")) as f:
+        state = json.load(f)
+    st = os.stat(os.path.join(path, "key"))
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path}/key must be owned by uid {os.getuid()} with mode 0600")
+    with open(os.path.join(path, "key"), "rb") as f:
+        return state, f.read()
+
+
+def read_key_file(path: str) -> bytes:
+    """A pool key from ``path``, which must be owned by this user with mode 0600."""
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} must be owned by uid {os.getuid()} with mode 0600")
+    with open(path, "rb") as f:
+        key = f.read()
+    if len(key) < 16:
+        raise ValueError(f"{path} does not hold a dpool pool key (it has {len(key)} bytes)")
+    return key
+
+
+def locate(pool: str) -> tuple[str, bytes, str]:
+    """Endpoint, key and a label of ``pool``: a pool name, or ``tcp://HOST:PORT`` of a pool started
+    with ``--listen``, whose key is read from the file named by ``DPOOL_KEY_FILE``."""
+    if pool.startswith("tcp://"):
+        path = os.environ.get("DPOOL_KEY_FILE")
+        if not path:
+            raise ValueError(
+                f"attaching to {pool} needs the pool's key: set DPOOL_KEY_FILE to its key file "
+                "(<runtime dir>/pools/<name>/key on the daemon's side; keep the copy at mode 0600)"
+            )
+        return pool, read_key_file(path), f"pool at {pool}"
+    state, key = read_pool(pool)
+    return state["endpoint"], key, f"pool {pool!r} (daemon pid {state['pid']})"
+
+
+def request(pool: str, msg: Any, timeout: float = 5.0) -> Any:
+    """Send one authenticated request to the daemon of ``pool`` (see :func:`locate`) and return its reply."""
+    endpoint, key, label = locate(pool)
+    codec = P.Codec(key)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+    sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_hex(6).encode())
+    try:
+        sock.connect(endpoint)
+        sock.send(codec.encode(msg, 1))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                hint = " (a daemon answers nobody whose key is wrong: check DPOOL_KEY_FILE)" if endpoint.startswith("tcp://") else ""
+                raise TimeoutError(f"the dpool-workers daemon of {label} did not answer within {timeout:g}s{hint}")
+            try:
+                return codec.decode(sock.recv_multipart())[1]
+            except P.ProtocolError:
+                continue  # not from the daemon (it would hold the key): ignored, never decoded further
+    finally:
+        sock.close(linger=0)
+        ctx.term()
