@@ -5,6 +5,8 @@ import collections
 import contextlib
 import os
 import threading
+import warnings
+import weakref
 from typing import Any, Iterator, Sequence
 
 import psutil
@@ -133,6 +135,15 @@ class DataParallel(nn.Module):
         torch._C._log_api_usage_once("dpool.DataParallel")
         if not isinstance(module, nn.Module):
             raise TypeError(f"dpool.wrap expects an nn.Module, got {type(module).__name__}")
+        self._wrap_args: tuple | None = None  # set by wrap(), which compares it
+        old = _bound_model(module)
+        if old is not None:
+            warnings.warn(
+                f"this module is already bound to a live dpool pool (workers {old.pids}, device_ids "
+                f"{old.device_ids}); closing that pool before wrapping it again with other arguments. To keep "
+                "it, reuse the model dpool.wrap() returned, or call dpool.wrap() with the same arguments.",
+                UserWarning, stacklevel=4 if _in_wrap() else 2)
+            old.close()
         pool = pool if pool is not None else (os.environ.get("DPOOL_POOL") or None)
         if pool is not None:  # attach to a running dpool-workers daemon: its devices
             if pool.startswith("tcp://"):  # a pool started with --listen; its key comes from DPOOL_KEY_FILE
@@ -170,6 +181,7 @@ class DataParallel(nn.Module):
             raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
         self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
                                 gather, pool)
+        _BOUND[module] = weakref.ref(self)
         if coordinator_threads is not None:
             torch.set_num_threads(coordinator_threads)
         else:
@@ -280,14 +292,50 @@ def wrap(
 
     The drop-in replacement for ``nn.DataParallel(module, device_ids,
     output_device, dim)``; see :class:`DataParallel` for every argument.
-    Wrapping an already wrapped module returns it unchanged.
+
+    A module is never bound to two pools. Wrapping a dpool model returns it
+    unchanged. Wrapping a module that a live (open, unbroken) dpool model
+    already holds returns that model when the arguments are the same (as a
+    re-run notebook cell does); with other arguments that model is closed
+    first, with a warning, and a new one is made.
 
     Returns:
         DataParallel: an ``nn.Module`` whose ``.module`` is ``module``.
     """
     if is_wrapped(module):
         return module  # type: ignore[return-value]
-    return DataParallel(module, device_ids, output_device, dim, **kwargs)
+    key = _wrap_args(device_ids, output_device, dim, kwargs)
+    live = _bound_model(module)
+    if live is not None and live._wrap_args == key:
+        return live
+    model = DataParallel(module, device_ids, output_device, dim, **kwargs)
+    model._wrap_args = key
+    return model
+
+
+# The live dpool model holding each master module (a module is bound to at most one pool).
+_BOUND: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[DataParallel]]" = weakref.WeakKeyDictionary()
+
+
+def _bound_model(module: nn.Module) -> DataParallel | None:
+    ref = _BOUND.get(module)
+    model = ref() if ref is not None else None
+    rt = model._runtime if model is not None else None
+    if rt is None or rt.pool.broken is not None or os.getpid() != rt.pool.owner_pid:
+        return None
+    return model
+
+
+def _in_wrap() -> bool:
+    import sys
+
+    return sys._getframe(2).f_code is wrap.__code__
+
+
+def _wrap_args(device_ids: Any, output_device: Any, dim: int, kwargs: dict) -> tuple:
+    """What ``wrap()`` compares to decide that a call repeats the one that made a live model."""
+    return (None if device_ids is None else [str(d) for d in device_ids], str(output_device), dim,
+            sorted(kwargs.items(), key=lambda kv: kv[0]), os.environ.get("DPOOL_POOL"))
 
 
 def unwrap(model: nn.Module) -> nn.Module:

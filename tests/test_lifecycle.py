@@ -1,0 +1,312 @@
+"""Lifecycle: forks, wrap/close cycles, leftovers after exits and kills, name shadowing, wrapping twice.
+
+Each scenario that needs a coordinator of its own runs as a separate process (``run_script`` /
+``run_scripts``, hard timeout and stacks dumped on a hang); the slow ones run side by side.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import psutil
+import pytest
+import torch
+
+import dpool
+from dpool.daemon_client import runtime_dir
+from tests.conftest import dpool_segments, open_fds, wait_for
+from tests.helpers import ROOT, run_script, run_scripts
+
+pytestmark = pytest.mark.slow
+
+
+def _result(res: subprocess.CompletedProcess) -> dict:
+    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, f"{res.stdout}\n{res.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _sockets_of(pid: int) -> list[str]:
+    return [n for n in os.listdir(runtime_dir()) if n.startswith(f"dpool-{os.getuid()}-{pid}-")]
+
+
+def _segments_of(pid: int) -> list[str]:
+    return [n for n in dpool_segments() if n.startswith(f"dpool-{os.getuid()}-{pid}-")]
+
+
+# ------------------------------------------------------------------------------------------ fork
+FORK = """
+import json, os, sys, time, torch, dpool
+from torch.utils.data import DataLoader, Dataset
+
+torch.manual_seed(0)
+net = torch.nn.Linear(4, 2)
+model = dpool.wrap(net, ["cpu", "cpu"])
+x = torch.randn(6, 4)
+expected = model(x).detach()
+out = {}
+
+pid = os.fork()
+if pid == 0:  # the child: fails at once, and its exit (atexit, GC) must not touch the parent's pool
+    t = time.monotonic()
+    try:
+        model(x)
+        code = 1
+    except dpool.ForkedChildError as e:
+        code = 0 if "cannot be used in a forked child" in str(e) and time.monotonic() - t < 1 else 2
+    sys.exit(code)
+_, status = os.waitpid(pid, 0)
+out["child_exit"] = os.waitstatus_to_exitcode(status)
+
+class Holder(Dataset):  # a dataset holding the model, read by forked DataLoader workers
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return model(torch.randn(2, 4))
+
+try:
+    list(DataLoader(Holder(), num_workers=2, multiprocessing_context="fork"))
+    out["loader"] = "no error"
+except Exception as e:
+    out["loader"] = str(e)
+out["parent_same"] = torch.equal(model(x).detach(), expected)
+out["pids_alive"] = all(p for p in model.pids)
+model.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_forked_child_fails_fast_and_parent_pool_stays_usable():
+    # Not run_script: its faulthandler watchdog makes a forked child hang at exit (a CPython limit).
+    res = subprocess.run([sys.executable, "-c", FORK], capture_output=True, text=True, timeout=90, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    r = _result(res)
+    assert r["child_exit"] == 0  # ForkedChildError within a second, then a clean exit
+    assert "ForkedChildError" in r["loader"] and "forked child" in r["loader"]
+    assert r["parent_same"] is True and r["pids_alive"] is True
+
+
+# ------------------------------------------------------------------------------------------ cycles
+CYCLES = """
+import json, os, resource, threading, torch, dpool
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+def fds():
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return out
+
+def mappings():
+    with open("/proc/self/maps") as f:
+        return sum("dpool-" in line for line in f)
+
+net = torch.nn.Linear(8, 8)
+for i in range(60):
+    if i == 10:  # after warm-up (lazy imports, thread pools): 50 cycles must add nothing
+        before = (fds(), mappings(), threading.active_count())
+    m = dpool.wrap(net, ["cpu"])
+    m(torch.randn(4, 8)).sum().backward()
+    m.close()
+f, maps, threads = before
+print("RESULT " + json.dumps({"cycles": i + 1, "new_fds": {k: v for k, v in fds().items() if f.get(k) != v},
+                              "mappings": [maps, mappings()], "threads": [threads, threading.active_count()]}))
+"""
+
+
+def test_wrap_close_cycles_under_ulimit_64_leave_no_fd_mapping_or_thread():
+    r = _result(run_script(CYCLES, timeout=170))
+    assert r["cycles"] == 60  # the 33rd wrap() used to fail with EMFILE under ulimit -n 64
+    assert r["new_fds"] == {} and r["mappings"][0] == r["mappings"][1] and r["threads"][0] == r["threads"][1]
+
+
+# ------------------------------------------------------------------------------------------ exits
+EXIT_NO_CLOSE = """
+import os, torch, dpool
+m = dpool.wrap(torch.nn.Linear(2, 2), ["cpu", "cpu"])
+m(torch.randn(4, 2)).sum().backward()
+print("PIDS", os.getpid(), *m.pids, flush=True)
+{then}
+"""
+
+
+def _pids(res_or_line: str) -> list[int]:
+    line = [l for l in res_or_line.splitlines() if l.startswith("PIDS")][0]
+    return [int(p) for p in line.split()[1:]]
+
+
+def test_socket_files_removed_at_exit_sigterm_and_swept():
+    # a script that never calls close(): the pool is closed at interpreter exit, socket file included
+    res = run_script(EXIT_NO_CLOSE.format(then=""))
+    assert res.returncode == 0, res.stderr
+    me, *workers = _pids(res.stdout)
+    assert _sockets_of(me) == [] and _segments_of(me) == []
+    # SIGTERM (no handler): the workers see their coordinator die and remove its socket file
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", EXIT_NO_CLOSE.format(then="import time; time.sleep(60)")],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    me, *workers = _pids(proc.stdout.readline())
+    assert _sockets_of(me)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in workers), timeout=10)
+    assert _sockets_of(me) == [] and _segments_of(me) == []
+    # a dead owner's socket file (coordinator and workers killed together) is swept by the next wrap()
+    stale = os.path.join(runtime_dir(), f"dpool-{os.getuid()}-999999-0badf00d.sock")
+    open(stale, "w").close()
+    with dpool.wrap(torch.nn.Linear(2, 2), ["cpu"]):
+        pass
+    assert not os.path.exists(stale)
+
+
+# Fault injection at an exact moment: the coordinator SIGKILLs itself right after it created a
+# segment (named, mapped by nobody yet) of at least MIN bytes, the window in which a name can leak.
+KILL_AFTER_SEGMENT = """
+import os, signal, sys, torch, dpool
+import dpool.pool
+
+MIN, NTH = {min_bytes}, {nth}
+made = [0]
+Real = dpool.pool.Segment
+
+class KillAfterCreate(Real):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        if self.size >= MIN:
+            made[0] += 1
+            if made[0] == NTH:
+                print("KILLED", os.getpid(), self.name, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+dpool.pool.Segment = KillAfterCreate
+{body}
+"""
+
+GROWTH = """
+m = dpool.wrap(torch.nn.Linear(1024, 4), ["cpu", "cpu"])
+print("PIDS", os.getpid(), *m.pids, flush=True)
+m(torch.randn(16, 1024)).sum().backward()
+m(torch.randn(8192, 1024)).sum().backward()   # 16 MiB per shard: new input segments
+"""
+
+
+def _kill_scenarios(specs: list[tuple[int, int, str]], env: dict | None = None) -> list[tuple[str, int]]:
+    codes = [KILL_AFTER_SEGMENT.format(min_bytes=mb, nth=nth, body=body) for mb, nth, body in specs]
+    out = []
+    for res in run_scripts(codes, timeout=90, env=env):
+        assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+        killed = [l for l in res.stdout.splitlines() if l.startswith("KILLED")][0]
+        out.append((res.stdout, int(killed.split()[1])))
+    return out
+
+
+def test_coordinator_sigkilled_while_growing_segments_leaves_nothing():
+    # the 1st and the 2nd new 16 MiB input segment: before any worker has seen either
+    for stdout, me in _kill_scenarios([(16 << 20, 1, GROWTH), (16 << 20, 2, GROWTH)]):
+        workers = _pids(stdout)[1:]
+        assert wait_for(lambda: not any(psutil.pid_exists(p) for p in workers), timeout=10), "workers left"
+        assert wait_for(lambda: not _segments_of(me) and not _sockets_of(me), timeout=5), _segments_of(me)
+
+
+# ------------------------------------------------------------------------------------------ shadowing
+def test_script_beside_its_own_workers_module(tmp_path):
+    (tmp_path / "workers.py").write_text("raise SystemExit('the user\\'s workers.py was imported by dpool')\n")
+    (tmp_path / "train.py").write_text(
+        "import torch, dpool\n"
+        "net = torch.nn.Linear(3, 2)\n"
+        "with dpool.wrap(net, ['cpu', 'cpu']) as m:\n"
+        "    m(torch.randn(4, 3)).sum().backward()\n"
+        "print('OK', net.weight.grad.shape)\n")
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=90,
+                         env=env)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ wrap twice
+def test_wrapping_a_bound_module_again_never_binds_two_pools():
+    net = torch.nn.Linear(4, 2)
+    a = dpool.wrap(net, ["cpu", "cpu"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same arguments: the live model, silently
+            assert dpool.wrap(net, ["cpu", "cpu"]) is a
+        old = a.pids
+        with pytest.warns(UserWarning, match="already bound to a live dpool pool"):
+            b = dpool.wrap(net, ["cpu"])  # other arguments: the old pool is closed first
+        assert a.pids == [] and b.pids and not set(b.pids) & set(old)
+        assert wait_for(lambda: not any(psutil.pid_exists(p) for p in old), timeout=10)
+        with pytest.raises(dpool.PoolBrokenError, match="closed"):
+            a(torch.randn(2, 4))
+        b(torch.randn(3, 4)).sum().backward()
+        assert net.weight.grad is not None
+        b.close()
+        c = dpool.wrap(net, ["cpu"])  # a closed model binds nothing: a new pool, no warning
+        assert c is not b
+        c.close()
+    finally:
+        a.close()
+
+
+# ------------------------------------------------------------------------------------------ daemon
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+
+
+def test_daemon_stop_during_a_client_run_and_client_killed_while_attaching():
+    import uuid
+
+    name = "t" + uuid.uuid4().hex[:8]
+    assert _cli("start", "--name", name, "--device-ids", "cpu,cpu").returncode == 0
+    try:
+        # clients SIGKILLed while attaching: right after creating their parameter segment (before the
+        # daemon knows them), and after their workers mapped it; the daemon must remove what is left
+        attach = "m = dpool.wrap(torch.nn.Linear(4, 4), pool={name!r})\nm(torch.randn(4, 4)).sum().backward()\n"
+        for nth in (2, 4):  # one client at a time: the pool has one lease
+            for _, me in _kill_scenarios([(1, nth, attach.format(name=name))]):
+                assert wait_for(lambda: not _segments_of(me), timeout=10), (nth, _segments_of(me))
+        code = f"""
+        import time, torch, dpool
+
+        class Slow(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 4)
+            def forward(self, x):
+                time.sleep(3)
+                return self.lin(x)
+
+        m = dpool.wrap(Slow(), pool={name!r})
+        print("ATTACHED", flush=True)
+        t = time.monotonic()
+        try:
+            m(torch.randn(4, 4))
+        except dpool.DaemonLostError as e:
+            print("LOST", round(time.monotonic() - t, 2), str(e).splitlines()[0], flush=True)
+        """
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        import textwrap
+
+        client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        assert client.stdout.readline().strip() == "ATTACHED"
+        time.sleep(0.5)  # the client is inside its forward
+        t = time.monotonic()
+        stop = _cli("stop", "--name", name, "--timeout", "5")
+        took = time.monotonic() - t
+        out, err = client.communicate(timeout=60)
+        assert stop.returncode == 0 and took < 5, (took, stop.stderr)
+        lost = [l for l in out.splitlines() if l.startswith("LOST")]
+        assert lost and "stopped" in lost[0], out + err[-3000:]
+    finally:
+        _cli("stop", "--name", name)
