@@ -18,6 +18,7 @@ from .errors import (
     ProtocolError,
     RemoteError,
     SharedMemoryError,
+    UnsupportedError,
     WorkerDiedError,
     WorkerStartError,
     WorkerTimeoutError,
@@ -46,4 +47,5 @@ __all__ = [
     "ProtocolError",
     "AuthError",
     "SharedMemoryError",
+    "UnsupportedError",
 ]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ._tensors import read
+from .errors import UnsupportedError
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -148,5 +149,13 @@ class Bridge(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         ctx.saved_tensors  # raises torch's own error on a second backward without retain_graph
+        if torch.is_grad_enabled():  # autograd enables grad mode here only for create_graph=True
+            raise UnsupportedError(
+                "higher-order gradients through a dpool model are not supported: backward(create_graph=True) "
+                "or torch.autograd.grad(..., create_graph=True) (a gradient penalty, R1, MAML, Jacobian "
+                "regularisation) would get gradients that are not differentiable, and the penalty's share of "
+                "the parameters' gradients would be lost. Compute that term on dpool.unwrap(model) (the master "
+                "module, in this process), or train with DistributedDataParallel."
+            )
         state: CallState = ctx.state
         return (None, *state.runtime.backward(state, grads))

@@ -13,11 +13,13 @@ master's parameters, gradients, buffers and optimizer state as they were.
 """
 from __future__ import annotations
 
+import functools
 import io
 import sys
+import threading
 import warnings
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import cloudpickle
 import torch
@@ -28,13 +30,21 @@ from ._autograd import Bridge, CallState
 from ._layout import Layout
 from ._tensors import DTYPES, Placer, dtype_name, meta_nbytes as _meta_bytes, nbytes, read
 from .config import Config
-from .errors import RemoteError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
+from .errors import (
+    RemoteError,
+    UnsupportedError,
+    WorkerDiedError,
+    WorkerStartError,
+    WorkerTimeoutError,
+    remote_error,
+)
 from .pool import Pool
 from .shm import Segment, check_free, standalone_view, sweep
 
 __all__ = ["Runtime"]
 
 _MIN_IO = 1 << 20
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -54,6 +64,17 @@ def pickle_protocol() -> int:
     import pickle
 
     return pickle.HIGHEST_PROTOCOL
+
+
+def _one_call_at_a_time(method: F) -> F:
+    """Hold the runtime's call lock for the whole call (threads wait for the call in flight)."""
+
+    @functools.wraps(method)
+    def locked(self: "Runtime", *args: Any, **kwargs: Any) -> Any:
+        with self.call_lock:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 class _IO:
@@ -96,6 +117,13 @@ class Runtime:
                     f"{name} is an uninitialized (lazy) tensor; run one forward pass on a sample batch "
                     "before dpool.wrap() so that its shape is known"
                 )
+            if t.requires_grad and not isinstance(t, torch.nn.Parameter):
+                raise UnsupportedError(
+                    f"buffer {name} requires grad. nn.DataParallel broadcasts such a buffer with autograd so that "
+                    "gradients reach it; dpool's replicas read buffers from shared memory and could not return "
+                    "those gradients, so they would be silently wrong. Register it as an nn.Parameter "
+                    "(requires_grad=True) to train it, or .detach() it if it needs no gradient."
+                )
             if t.device.type != "cpu":
                 raise ValueError(
                     f"{name} is on {t.device}, but CPU workers need the master module on the CPU; "
@@ -123,6 +151,9 @@ class Runtime:
         self.buffer_policy = buffers
         self.gather_outputs = gather
         self._epoch_call = 0  # graphs of calls up to this id were lost in a worker restart
+        # One call at a time: calls from several threads (an evaluation thread, a server's handlers)
+        # wait for the one in flight, as nn.DataParallel's do; they share segments and the workers.
+        self.call_lock = threading.RLock()
         if attach is not None and max_restarts:
             raise ValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         self.pool = Pool(devices, config, worker_threads, attach=attach)
@@ -335,11 +366,13 @@ class Runtime:
         causes = [(i, r) for i, r in failed if r.qualname != "CollectiveAborted"] or failed
         i, r = causes[0]
         w = self.pool.workers[i]
-        err = remote_error(r.module, r.qualname, r.message, r.traceback, worker=i, device=w.device, pid=w.pid,
+        # raised without a local name: a local would tie the exception to this frame's locals (the
+        # I/O segments among them) in a cycle that only the GC frees
+        raise remote_error(r.module, r.qualname, r.message, r.traceback, worker=i, device=w.device, pid=w.pid,
                            step=self.pool.step, where=f"{where} (shard {i})")
-        raise err
 
     # ------------------------------------------------------------------ forward
+    @_one_call_at_a_time
     def forward(self, args: tuple, kwargs: dict) -> Any:
         pool = self.pool
         pool.check_usable()
@@ -449,6 +482,7 @@ class Runtime:
         return _gather.build(specs, iter(gathered))
 
     # ------------------------------------------------------------------ loss on the workers
+    @_one_call_at_a_time
     def criterion(self, handle: Any, crit: Any, targets: tuple) -> torch.Tensor:
         """Compute ``crit`` on every shard of ``handle`` (see :mod:`dpool._criterion`)."""
         from ._criterion import combine
@@ -479,6 +513,7 @@ class Runtime:
         dtype = next((DTYPES[m[0]] for m in state.metas[0] if DTYPES[m[0]].is_floating_point), torch.float32)
         return combine(self, handle, [replies[s] for s in range(k)], dtype, crit.reduction)
 
+    @_one_call_at_a_time
     def gather_kept(self, handle: Any) -> Any:
         """Gather outputs kept on the workers, through the autograd bridge."""
         from ._criterion import build_output
@@ -522,6 +557,7 @@ class Runtime:
         return self._module_list
 
     # ------------------------------------------------------------------ backward
+    @_one_call_at_a_time
     def backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
                  pieces: list[list[torch.Tensor | None]] | None = None) -> list[torch.Tensor | None]:
         """Backpropagate on the workers. ``pieces``: per shard, gradients by worker output index
@@ -573,6 +609,7 @@ class Runtime:
         return input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
 
     # ------------------------------------------------------------------ misc
+    @_one_call_at_a_time
     def call_workers(self, fn: Any) -> list[Any]:
         payload = cloudpickle.dumps(fn)
         replies = self._request({i: P.Call(payload) for i in range(self.n)}, "running a function")

@@ -13,6 +13,7 @@ Hierarchy::
     ├── PoolBrokenError        the pool is unusable after an earlier failure
     │   └── ForkedChildError   a forked child called a model whose pool belongs to its parent
     ├── DaemonLostError        the dpool-workers daemon of an attached pool is gone
+    ├── UnsupportedError       a use dpool cannot run exactly (raised instead of a wrong result)
     ├── ProtocolError          a malformed, oversized or foreign message
     │   └── AuthError          a message failed authentication
     └── SharedMemoryError      shared memory could not be allocated
@@ -30,6 +31,7 @@ __all__ = [
     "PoolBrokenError",
     "ForkedChildError",
     "DaemonLostError",
+    "UnsupportedError",
     "ProtocolError",
     "AuthError",
     "SharedMemoryError",
@@ -137,6 +139,14 @@ class ForkedChildError(PoolBrokenError, RuntimeError):
     """A process forked after ``wrap()`` (a ``DataLoader`` worker, ``os.fork()``) called the model.
 
     Raised at once in the child; the parent's pool is not touched and stays usable.
+    """
+
+
+class UnsupportedError(DpoolError, RuntimeError):
+    """Something dpool cannot compute exactly, such as higher-order gradients through the workers.
+
+    Raised where the use is detected (at ``wrap()``, or at the ``backward``/``grad`` call), so that
+    training never goes on with a silently wrong number.
     """
 
 
