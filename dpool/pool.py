@@ -82,7 +82,6 @@ from . import protocol as P
 from .config import Config
 from .errors import (
     DaemonLostError,
-    DpoolError,
     ForkedChildError,
     PoolBrokenError,
     ProtocolError,
@@ -850,11 +849,13 @@ def _reap(owner: int, workers: list[_Worker], segments: list[Segment], sock_path
     """GC / interpreter-exit cleanup of a pool nobody closed."""
     if os.getpid() != owner:
         return  # a forked child's exit: the workers, segments and socket belong to the parent
-    for w in workers:
-        _kill_and_join(w)
+    # Names first: a host that kills us right after a graceful shutdown request (a Jupyter kernel
+    # manager does) must find nothing left, and the workers can no longer remove them once killed.
+    _unlink_socket(sock_path)
     for seg in segments:
         seg.unlink()
-    _unlink_socket(sock_path)
+    for w in workers:
+        _kill_and_join(w)
 
 
 def _unlink_socket(path: str) -> None:

@@ -19,7 +19,7 @@ import torch
 
 import dpool
 from dpool.daemon_client import runtime_dir
-from tests.conftest import dpool_segments, open_fds, wait_for
+from tests.conftest import dpool_segments, wait_for
 from tests.helpers import ROOT, run_script, run_scripts
 
 pytestmark = pytest.mark.slow
@@ -165,6 +165,28 @@ def test_socket_files_removed_at_exit_sigterm_and_swept():
     with dpool.wrap(torch.nn.Linear(2, 2), ["cpu"]):
         pass
     assert not os.path.exists(stale)
+
+
+def test_jupyter_kernel_shut_down_gracefully_leaves_no_socket_file():
+    # nbclient runs in its own process: its ZeroMQ context is not ours to leak-check
+    code = """
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import os, torch, dpool\\n"
+        "model = dpool.wrap(torch.nn.Linear(2, 2), ['cpu', 'cpu'])\\n"
+        "model(torch.randn(4, 2)).sum().backward()\\n"
+        "print(os.getpid(), *model.pids)")]  # no close(): the kernel's shutdown must clean up
+    NotebookClient(nb, kernel_name="python3", timeout=90).execute()  # starts, runs, shuts the kernel down
+    print("PIDS", nb.cells[0].outputs[0]["text"].strip())
+    """
+    res = run_script(code)
+    assert res.returncode == 0, res.stderr[-3000:]
+    kernel, *workers = _pids(res.stdout)
+    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in [kernel, *workers]), timeout=10)
+    assert _sockets_of(kernel) == [] and _segments_of(kernel) == []
 
 
 # Fault injection at an exact moment: the coordinator SIGKILLs itself right after it created a

@@ -46,7 +46,7 @@ import sys
 import time
 from typing import Any
 
-from dpool.daemon_client import POOL_FILES, lock_held, pool_dir, read_key_file, read_pool, request
+from dpool.daemon_client import POOL_FILES, lock_held, pool_dir, read_pool, request
 from dpool.pool import worker_command
 
 __all__ = ["main", "parse_listen"]
