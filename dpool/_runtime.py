@@ -106,30 +106,7 @@ class Runtime:
         self.config = config
         self.n = len(devices)
         sweep(config.shm_dir)
-        self.param_names = [n for n, _ in module.named_parameters()]
-        self.params = list(module.parameters())
-        named_buffers = [(n, b) for n, b in module.named_buffers()]
-        self.buffer_names = [n for n, _ in named_buffers]
-        self.buffers = [b for _, b in named_buffers]
-        for name, t in list(zip(self.param_names, self.params)) + named_buffers:
-            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-                raise ValueError(
-                    f"{name} is an uninitialized (lazy) tensor; run one forward pass on a sample batch "
-                    "before dpool.wrap() so that its shape is known"
-                )
-            if t.requires_grad and not isinstance(t, torch.nn.Parameter):
-                raise UnsupportedError(
-                    f"buffer {name} requires grad. nn.DataParallel broadcasts such a buffer with autograd so that "
-                    "gradients reach it; dpool's replicas read buffers from shared memory and could not return "
-                    "those gradients, so they would be silently wrong. Register it as an nn.Parameter "
-                    "(requires_grad=True) to train it, or .detach() it if it needs no gradient."
-                )
-            if t.device.type != "cpu":
-                raise ValueError(
-                    f"{name} is on {t.device}, but CPU workers need the master module on the CPU; "
-                    "call module.cpu() before dpool.wrap(), or pass CUDA device_ids"
-                )
-        self.layout = Layout(self.params, self.buffers)
+        self._collect_tensors()
         self._next_call = 0
         self._release: set[int] = set()
         self._live: dict[int, Any] = {}  # call -> weakref to the autograd ctx
@@ -164,13 +141,49 @@ class Runtime:
             raise
 
     # ------------------------------------------------------------------ start
+    def _collect_tensors(self) -> None:
+        """Read the master's parameters and buffers (names, tensors), refusing what dpool cannot run."""
+        module = self.module
+        self.param_names = [n for n, _ in module.named_parameters()]
+        self.params = list(module.parameters())
+        named_buffers = [(n, b) for n, b in module.named_buffers()]
+        self.buffer_names = [n for n, _ in named_buffers]
+        self.buffers = [b for _, b in named_buffers]
+        for name, t in list(zip(self.param_names, self.params)) + named_buffers:
+            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+                raise ValueError(
+                    f"{name} is an uninitialized (lazy) tensor; run one forward pass on a sample batch "
+                    "before dpool.wrap() so that its shape is known"
+                )
+            if t.requires_grad and not isinstance(t, torch.nn.Parameter):
+                raise UnsupportedError(
+                    f"buffer {name} requires grad. nn.DataParallel broadcasts such a buffer with autograd so that "
+                    "gradients reach it; dpool's replicas read buffers from shared memory and could not return "
+                    "those gradients, so they would be silently wrong. Register it as an nn.Parameter "
+                    "(requires_grad=True) to train it, or .detach() it if it needs no gradient."
+                )
+            if t.device.type != "cpu":
+                raise ValueError(
+                    f"{name} is on {t.device}, but CPU workers need the master module on the CPU; "
+                    "call module.cpu() before dpool.wrap(), or pass CUDA device_ids"
+                )
+
     def _start(self) -> None:
-        pool, layout = self.pool, self.layout
+        pool = self.pool
         # Workers map the parameters through an inherited fd, so the name can go at once
         # (and a respawned worker can still map them).
-        self.master = pool.new_segment(layout.size, min_size=64, keep_fd=True)
-        if pool.attach is None:
-            self.master.unlink()  # attached (daemon) workers map it by name, until their init is done
+        self._bind_master(unlink=pool.attach is None)  # attached (daemon) workers map it by name
+        assert self.master.fd is not None
+        pool.start([self.master.fd])
+        self._ship(by_name=pool.attach is not None)
+        self._watch()
+
+    def _bind_master(self, unlink: bool) -> None:
+        """Lay the master's parameters and buffers out in a new shared segment and rebind them to it."""
+        layout = self.layout = Layout(self.params, self.buffers)
+        self.master = self.pool.new_segment(layout.size, min_size=64, keep_fd=True)
+        if unlink:
+            self.master.unlink()
         self.param_views = []
         for p, off in zip(self.params, layout.param_offsets):
             v = standalone_view(self.master.mmap, off, p.dtype, p.shape)
@@ -191,8 +204,10 @@ class Runtime:
             for b, v in zip(self.buffers, self.buffer_views):
                 b.data = v
         self._ptrs = [p.data_ptr() for p in self.params] + [b.data_ptr() for b in self.buffers]
-        assert self.master.fd is not None
-        pool.start([self.master.fd])
+
+    def _ship(self, by_name: bool) -> None:
+        """Pickle the master module (tensors by reference) and build every worker's replica from it."""
+        pool, layout = self.pool, self.layout
         self.states = [pool.new_segment(layout.size, min_size=64) for _ in range(self.n)]
         ids: dict[int, tuple] = {}
         for i, p in enumerate(self.params):
@@ -205,17 +220,74 @@ class Runtime:
         except Exception as exc:
             raise TypeError(f"dpool could not pickle the model to ship it to the workers: {exc}") from exc
         self._model_bytes = buf.getvalue()
-        self._init_workers(range(self.n))
+        self._init_workers(range(self.n), by_name=by_name)
         self._module_list = list(self.module.modules())
+        self._module_ids = {id(m) for m in self._module_list}
+        self._changed = False
 
-    def _init_workers(self, indices: Any) -> None:
+    # ------------------------------------------------------------------ changes after wrap()
+    def _watch(self) -> None:
+        """Notice assignments to the master's parameters, buffers and submodules (module.head = ...).
+
+        torch's global registration hooks run on every such ``setattr``; the hook only sets a flag, and
+        the next forward compares identities and follows a real change (see :meth:`_follow_changes`).
+        """
+        ref = weakref.ref(self)
+
+        def changed(module: torch.nn.Module, name: str, value: Any) -> None:
+            rt = ref()
+            if rt is not None and id(module) in rt._module_ids:
+                rt._changed = True
+
+        from torch.nn.modules import module as _m
+
+        self._hooks = [_m.register_module_parameter_registration_hook(changed),
+                       _m.register_module_buffer_registration_hook(changed),
+                       _m.register_module_module_registration_hook(changed)]
+
+    def _follow_changes(self) -> None:
+        """Re-sync the replicas if the master's parameters, buffers or submodules are other objects now.
+
+        DataParallel re-replicates every forward, so it follows a new head or a new ``nn.Parameter``
+        assigned after wrapping; dpool ships the changed model to the running workers once (new
+        layout, new shared segment, new replicas). Graphs of earlier forwards can no longer be
+        backpropagated.
+        """
+        self._changed = False
+        same = ([id(p) for p in self.module.parameters()] == [id(p) for p in self.params]
+                and [id(b) for b in self.module.buffers()] == [id(b) for b in self.buffers]
+                and [id(m) for m in self.module.modules()] == [id(m) for m in self._module_list])
+        if same:
+            return
+        pool = self.pool
+        old_master = self.master
+        with torch.no_grad():  # what we bound so far gets private memory: the old segment goes
+            for t, v in zip(self.params + self.buffers, self.param_views + self.buffer_views):
+                if t.data_ptr() == v.data_ptr():
+                    t.data = v.clone()
+        try:
+            self._collect_tensors()
+            self._bind_master(unlink=False)  # running workers map the new segment by name
+            assert self.master.fd is not None and pool.control is not None
+            pool.pass_fds([self.master.fd])  # for workers respawned later
+            self._epoch_call = self._next_call  # earlier graphs referred to the old replicas
+            self._release.update(self._live)
+            self._live.clear()
+            self._ship(by_name=True)
+        except BaseException as exc:
+            pool.break_pool(f"re-syncing the replicas after a change to the model failed: {exc}")
+            raise
+        finally:
+            old_master.close_fd()
+
+    def _init_workers(self, indices: Any, by_name: bool = False) -> None:
         """Ship the model to ``indices`` and wait until their replicas are built."""
         pool, layout = self.pool, self.layout
         pl = Layout.wire(self.params, layout.param_offsets, True)
         bl = Layout.wire(self.buffers, layout.buffer_offsets, False)
         msgs = {
             i: P.Init(self._model_bytes, [p for p in sys.path if isinstance(p, str)],
-                      self.master.ref() if pool.attach is not None else self.master.fd_ref(),
+                      self.master.ref() if by_name else self.master.fd_ref(),
                       self.states[i].ref(), pl, bl, pool.threads, {"bn_counts": self._buffers.needs_counts})
             for i in indices
         }
@@ -376,6 +448,8 @@ class Runtime:
     def forward(self, args: tuple, kwargs: dict) -> Any:
         pool = self.pool
         pool.check_usable()
+        if self._changed:
+            self._follow_changes()
         self._check_bindings()
         release = self._collect_released()
         tensors: list[torch.Tensor] = []
@@ -621,6 +695,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        for h in getattr(self, "_hooks", []):
+            h.remove()
         views = getattr(self, "param_views", None)
         if views is not None:
             with torch.no_grad():

@@ -299,6 +299,11 @@ class Pool:
             self.close()
             raise
 
+    def pass_fds(self, fds: Sequence[int]) -> None:
+        """The fds (besides the control segment's) that workers spawned from now on inherit."""
+        assert self.control is not None and self.control.fd is not None
+        self._pass_fds = [self.control.fd, *fds]
+
     def _attach_daemon(self) -> None:
         """Borrow the warm workers of the ``dpool-workers`` pool ``self.attach`` (see workers/daemon.py)."""
 

@@ -76,3 +76,50 @@ class _BufferRequiringGrad(nn.Module):
 def test_buffer_requiring_grad_is_refused_at_wrap():
     with pytest.raises(dpool.UnsupportedError, match="buffer t requires grad.*nn.Parameter"):
         dpool.wrap(_BufferRequiringGrad(), ["cpu", "cpu"])
+
+
+def _train(model, opt, batches, targets):
+    for x, y in zip(batches, targets):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("change", ["same_shape_head", "new_parameter", "other_shape_head", "activation",
+                                    "load_state_dict_assign"])
+def test_changes_to_the_model_after_wrap_are_followed(wrap, change):
+    """DataParallel re-replicates every forward, so it follows a new head or parameter assigned after
+    wrapping; dpool must too (not train the workers' stale copy)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(7, 6, generator=g, dtype=torch.float64) for _ in range(3)]
+    ys = [torch.randn(7, 3, generator=g, dtype=torch.float64) for _ in range(3)]
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    _train(model, opt, xs[:1], ys[:1])
+    _train(ref, ref_opt, xs[:1], ys[:1])
+
+    def apply(m: nn.Sequential, seed: int) -> None:
+        torch.manual_seed(seed)
+        if change == "same_shape_head":
+            m[2] = nn.Linear(8, 3).double()
+        elif change == "new_parameter":
+            m[0].weight = nn.Parameter(torch.randn(8, 6, dtype=torch.float64))
+        elif change == "other_shape_head":
+            m[2] = nn.Sequential(nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+        elif change == "activation":
+            m[1] = nn.ReLU()
+        elif change == "load_state_dict_assign":
+            m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()}, assign=True)
+
+    apply(net, 5)
+    apply(ref, 5)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    _train(model, opt, xs[1:], ys[1:])
+    _train(ref, ref_opt, xs[1:], ys[1:])
+    for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp, msg=f"{change}: {n}")
+    with torch.no_grad():
+        torch.testing.assert_close(model(xs[0]), ref(xs[0]))

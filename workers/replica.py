@@ -151,6 +151,11 @@ class Replica:
     # ---------------------------------------------------------------- init
     def init(self, msg: P.Init) -> P.Message:
         self.stage = "unpickling the model"
+        # A second init re-syncs a changed model: the old replica's graphs and flags go with it.
+        self.calls.clear()
+        self.unfetched.clear()
+        self._holding = False
+        self._training = self._requires_grad = b""
         for p in msg.sys_path:
             if isinstance(p, str) and p not in sys.path:
                 sys.path.append(p)
