@@ -44,6 +44,7 @@ from .shm import Segment, check_free, standalone_view, sweep
 __all__ = ["Runtime"]
 
 _MIN_IO = 1 << 20
+_SEED_RANGE = 1 << 62
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -465,6 +466,10 @@ class Runtime:
             autocast = ["cpu", dtype_name(torch.get_autocast_dtype("cpu")), torch.is_autocast_cache_enabled()]
         call = self._next_call = self._next_call + 1
         pool.step += 1
+        # One draw from the coordinator's generator per forward: torch.manual_seed(s) makes a run
+        # reproducible, embedded or attached. Each shard seeds its own stream from it (as replicas on
+        # several GPUs draw their own), so the numbers differ from a single process's.
+        seed = int(torch.randint(_SEED_RANGE, (), dtype=torch.int64))
         msgs: dict[int, P.Message] = {}
         spans: list[tuple[Segment, int, int]] = []
         gin_sizes = []
@@ -491,7 +496,7 @@ class Runtime:
                 out = self._ensure(s, "out", 0)
                 msgs[s] = P.Forward(call, pool.step, grad, training, requires_grad,
                                     self.layout.buffer_range is not None, seg.ref(), out.ref(), spec, metas, s,
-                                    k, not self.gather_outputs, autocast, release)
+                                    k, not self.gather_outputs, autocast, release, seed)
         except BaseException:
             pool.unlink_segments()  # segments made for this call were never announced to a worker
             self._release.update(release)

@@ -44,7 +44,7 @@ def _parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
     return devices
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.DataParallel):
     r"""Data parallelism over long-lived worker processes, with ``nn.DataParallel``'s API.
 
     The module is replicated once into one worker process per entry of
@@ -131,7 +131,10 @@ class DataParallel(nn.Module):
         config: Config | None = None,
         **options: Any,
     ) -> None:
-        super().__init__()
+        # A subclass of nn.DataParallel, so that code which unwraps by type (HF Trainer, timm, Lightning:
+        # isinstance(model, nn.DataParallel) → model.module) treats dpool alike; DataParallel's own
+        # __init__ (CUDA device checks and replication setup) is deliberately not run.
+        nn.Module.__init__(self)
         torch._C._log_api_usage_once("dpool.DataParallel")
         if not isinstance(module, nn.Module):
             raise TypeError(f"dpool.wrap expects an nn.Module, got {type(module).__name__}")
@@ -271,14 +274,26 @@ class DataParallel(nn.Module):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __getstate__(self) -> Any:
-        raise TypeError(
-            "a dpool model cannot be pickled (it owns worker processes); save model.state_dict() "
-            "or model.module instead"
-        )
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """``copy.deepcopy(model)`` and ``torch.save(model, f)`` give a plain copy of the master module.
+
+        A copy never starts worker processes of its own (EMA helpers such as
+        ``torch.optim.swa_utils.AveragedModel`` and best-model snapshots deep-copy the
+        model they are given); wrap the copy with :func:`dpool.wrap` to train it in parallel.
+        """
+        warnings.warn(
+            "copying or pickling a dpool model gives a plain copy of its master module (model.module), "
+            "without worker processes; wrap the copy with dpool.wrap() to train it in parallel",
+            UserWarning, stacklevel=3)
+        return _master_copy, (self.module,)
 
     def extra_repr(self) -> str:
         return f"device_ids={self.device_ids}, dim={self.dim}"
+
+
+def _master_copy(module: nn.Module) -> nn.Module:
+    """What a copied or unpickled dpool model becomes: its (already copied) master module."""
+    return module
 
 
 def wrap(

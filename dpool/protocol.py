@@ -63,7 +63,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 2  # 2: attach derives the session key from a nonce; attach_reply names the daemon pid
+PROTOCOL_VERSION = 3  # 2: attach derives the session key from a nonce; attach_reply names the daemon pid
+# 3: forward carries a seed drawn from the coordinator's generator
 MAC_SIZE = 32
 
 # A shared-memory reference: [segment name, size in bytes].
@@ -163,13 +164,15 @@ class InitDone(Message):
     keep=_BOOL,
     autocast=(list, _NONE),
     release=_LIST,
+    seed=_INT,
 )
 class Forward(Message):
     """Run the replica on one shard.
 
     ``tree`` encodes ``(args, kwargs)`` (see :mod:`dpool._tree`); ``tensors`` are
     the metas of its tensors in the ``inputs`` segment. ``release`` lists calls
-    whose autograd graphs the coordinator no longer needs.
+    whose autograd graphs the coordinator no longer needs. ``seed`` was drawn
+    from the coordinator's generator; the shard seeds its own generator from it.
     """
 
     call: int
@@ -187,6 +190,7 @@ class Forward(Message):
     keep: bool
     autocast: list | None
     release: list
+    seed: int
 
 
 @_message("forward_done", call=_INT, tree=(object,), tensors=_LIST, need=_INT, stats=_LIST, busy=(float,))

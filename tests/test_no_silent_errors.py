@@ -123,3 +123,72 @@ def test_changes_to_the_model_after_wrap_are_followed(wrap, change):
         torch.testing.assert_close(p, rp, msg=f"{change}: {n}")
     with torch.no_grad():
         torch.testing.assert_close(model(xs[0]), ref(xs[0]))
+
+
+class _Dropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.lin(x))
+
+
+def _dropout_run(wrap, **kw) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = wrap(_Dropout(), **kw)
+    outs = [model(torch.ones(8, 16)).detach() for _ in range(3)]
+    model.close()
+    return outs
+
+
+def test_the_same_seed_gives_the_same_run(wrap):
+    """Workers' generators are seeded from the coordinator's: torch.manual_seed makes dropout repeat."""
+    a, b = _dropout_run(wrap), _dropout_run(wrap)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], a[1])  # each forward draws new masks
+    assert not torch.equal(a[0][:4], a[0][4:])  # and the two shards draw different ones
+
+
+def test_isinstance_dataparallel_unwraps_like_torch(wrap):
+    """HF Trainer, timm and Lightning unwrap with isinstance(model, nn.DataParallel) → model.module."""
+    net = models.make("mlp")
+    model = wrap(net)
+    assert isinstance(model, nn.DataParallel) and isinstance(model, dpool.DataParallel)
+    unwrapped = model.module if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) else model
+    assert unwrapped is net and dpool.unwrap(model) is net
+    assert list(model.state_dict()) == ["module." + k for k in net.state_dict()]
+
+
+def test_deepcopy_and_torch_save_give_a_plain_master_copy_and_ema_matches(wrap, tmp_path):
+    """AveragedModel (EMA/SWA) deep-copies the model: a plain copy of the master, with a warning, that
+    averages exactly as torch's own does on the single-process reference."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    with pytest.warns(UserWarning, match="plain copy of its master module"):
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ref_ema = AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    assert not dpool.is_wrapped(ema.module) and type(ema.module) is type(net)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(9, 12, dtype=torch.float64)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        ema.update_parameters(model)
+        ref_ema.update_parameters(ref)
+    for p, rp in zip(ema.parameters(), ref_ema.parameters()):
+        torch.testing.assert_close(p, rp)
+    path = tmp_path / "whole.pt"
+    with pytest.warns(UserWarning, match="plain copy"):
+        torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    assert type(loaded) is type(net)
+    for p, q in zip(loaded.parameters(), net.parameters()):
+        assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()

@@ -258,6 +258,8 @@ class Replica:
             tensors.append(t)
         args, kwargs = _tree.unflatten(msg.tree, tensors.__getitem__)
         assert self.model is not None
+        # this shard's own stream, derived from the coordinator's draw (dropout, random augmentation)
+        torch.default_generator.manual_seed((msg.seed + 0x9E3779B97F4A7C15 * (msg.shard + 1)) % (1 << 63))
         self._enter_collective(msg.world)
         try:
             with torch.set_grad_enabled(msg.grad):
