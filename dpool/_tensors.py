@@ -15,7 +15,7 @@ import torch
 
 from .shm import align
 
-__all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer"]
+__all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer", "to_bytes", "from_bytes"]
 
 _CANDIDATES = [
     "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
@@ -24,6 +24,21 @@ _CANDIDATES = [
 ]
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _CANDIDATES if isinstance(getattr(torch, n, None), torch.dtype)}
 _NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
+
+
+def to_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a CPU tensor, without numpy (which a plain ``pip install dpool`` may lack)."""
+    out = bytearray(t.numel() * t.element_size())
+    if out:
+        torch.frombuffer(out, dtype=t.dtype).copy_(t.reshape(-1))
+    return bytes(out)
+
+
+def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-d tensor (its own memory) holding ``data``; the inverse of :func:`to_bytes`."""
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -89,6 +89,7 @@ from .errors import (
     WorkerStartError,
     WorkerTimeoutError,
 )
+from ._tensors import from_bytes, to_bytes
 from .daemon_client import locate, read_pool, request, runtime_dir
 from .shm import Segment, segment_prefix
 
@@ -568,8 +569,8 @@ class Pool:
             return
         total = torch.zeros(next(iter(sizes)) // 8, dtype=torch.float64)
         for d in parts.values():
-            total += torch.frombuffer(bytearray(d), dtype=torch.float64)
-        data = total.numpy().tobytes()
+            total += from_bytes(d, torch.float64)
+        data = to_bytes(total)
         for w in parts:
             self._reply_collective(w, P.AllReduceDone(msg.seq, data, False))
 

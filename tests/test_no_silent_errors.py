@@ -192,3 +192,42 @@ def test_deepcopy_and_torch_save_give_a_plain_master_copy_and_ema_matches(wrap, 
     assert type(loaded) is type(net)
     for p, q in zip(loaded.parameters(), net.parameters()):
         assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()
+
+
+NO_NUMPY = """
+import sys
+try:
+    import numpy
+    raise SystemExit("numpy is still importable")
+except ImportError:
+    pass
+import copy, torch, dpool
+from tests.test_features import BNNet
+
+torch.manual_seed(0)
+ref = BNNet().double()
+net = dpool.convert_sync_batchnorm(copy.deepcopy(ref))
+with dpool.wrap(net, ["cpu", "cpu"]) as model:
+    for step in range(2):
+        x = torch.randn(9, 3, 6, 6, dtype=torch.float64)
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+    same = all(torch.allclose(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters()))
+    workers_without_numpy = model.worker_states(lambda r: "numpy" not in sys.modules or sys.modules["numpy"] is None)
+print("RESULT", same, all(workers_without_numpy))
+"""
+
+
+def test_sync_batchnorm_needs_no_numpy(tmp_path):
+    """A plain `pip install dpool` brings torch without numpy: SyncBatchNorm's collective must not need it."""
+    from tests.helpers import run_script
+
+    fake = tmp_path / "numpy"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError('numpy is not installed here (test)', name='numpy')\n")
+    import os
+
+    from tests.helpers import ROOT
+
+    res = run_script(NO_NUMPY, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])})
+    assert res.returncode == 0 and "RESULT True True" in res.stdout, res.stdout + res.stderr[-3000:]

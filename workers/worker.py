@@ -363,16 +363,17 @@ class _Collective:
         import torch
 
         from dpool import protocol as P
+        from dpool._tensors import from_bytes, to_bytes
 
         data = t.detach().to(torch.float64).contiguous()
         self.seq += 1
-        self._send(P.AllReduce(self.seq, data.numpy().tobytes()))
+        self._send(P.AllReduce(self.seq, to_bytes(data)))
         reply = self._recv()
         if not isinstance(reply, P.AllReduceDone) or reply.seq != self.seq:
             raise P.ProtocolError(f"expected allreduce_done {self.seq}, got {reply.op}")
         if reply.abort:
             raise CollectiveAborted("another shard of this call failed while this one waited in SyncBatchNorm")
-        return torch.frombuffer(bytearray(reply.data), dtype=torch.float64).to(t.dtype)
+        return from_bytes(reply.data, torch.float64).to(t.dtype)
 
 
 def _failed(stage: str, exc: BaseException) -> Any:
