@@ -7,7 +7,12 @@ Rules (``nn.DataParallel``'s, without its crashes):
   DataParallel's warning;
 * ``None`` stays ``None``; tuples, lists, namedtuples, dicts (and dict
   subclasses) and dataclasses are rebuilt element by element;
-* every other value (strings, Python numbers, arbitrary objects) comes back as
+* any other container is rebuilt as DataParallel does,
+  ``type(out)(map(gather, zip(*outputs)))``: tuple and list subclasses,
+  HuggingFace's ``DynamicCache`` and any type that iterates over its items and
+  can be built from them (see :mod:`dpool._tree`, tag ``"S"``);
+* every other value (strings, Python numbers, iterators, objects whose type
+  cannot be rebuilt from its items: where DataParallel crashes) comes back as
   a list with one entry per shard.
 
 Gathering is done in two passes over the shards' specs: :func:`tensor_groups`
@@ -49,6 +54,12 @@ def tensor_groups(specs: list[Any], out: list[list[int]] | None = None) -> list[
             raise _mismatch(f"sequences of lengths {sorted(lengths)}")
         for items in zip(*(s[1] for s in specs)):
             tensor_groups(list(items), out)
+    elif kind == "S":
+        lengths = {len(s[2]) for s in specs}
+        if len(lengths) != 1:
+            raise _mismatch(f"containers of {sorted(lengths)} items")
+        for items in zip(*(s[2] for s in specs)):
+            tensor_groups(list(items), out)
     elif kind == "N":
         for items in zip(*(s[2] for s in specs)):
             tensor_groups(list(items), out)
@@ -72,6 +83,9 @@ def build(specs: list[Any], gathered: Iterator[Any], load: Callable[[Any], Any] 
         return tuple(build(list(items), gathered) for items in zip(*(s[1] for s in specs)))
     if kind == "L":
         return [build(list(items), gathered) for items in zip(*(s[1] for s in specs))]
+    if kind == "S":  # DataParallel's type(out)(map(gather_map, zip(*outputs)))
+        tp = _tree.load_type(specs[0][1])
+        return tp([build(list(items), gathered) for items in zip(*(s[2] for s in specs))])
     if kind == "N":
         tp = _tree.load_type(specs[0][1])
         return tp(*(build(list(items), gathered) for items in zip(*(s[2] for s in specs))))

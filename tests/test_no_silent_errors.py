@@ -231,3 +231,77 @@ def test_sync_batchnorm_needs_no_numpy(tmp_path):
 
     res = run_script(NO_NUMPY, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])})
     assert res.returncode == 0 and "RESULT True True" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+def dataparallel_gather(outputs: list, dim: int = 0):
+    """torch.nn.parallel.scatter_gather.gather's gather_map, with Gather (a device transfer) swapped
+    for torch.cat: what nn.DataParallel returns for these shard outputs."""
+    from torch.nn.parallel.scatter_gather import _is_namedtuple
+
+    def gather_map(outs):
+        out = outs[0]
+        if isinstance(out, torch.Tensor):
+            return torch.cat(outs, dim)
+        if out is None:
+            return None
+        if isinstance(out, dict):
+            return type(out)((k, gather_map([d[k] for d in outs])) for k in out)
+        if _is_namedtuple(out):
+            return type(out)._make(map(gather_map, zip(*outs, strict=True)))
+        return type(out)(map(gather_map, zip(*outs, strict=True)))
+
+    return gather_map(outputs)
+
+
+class LayerCache:
+    """Shaped like HuggingFace's DynamicCache: iterates over per-layer (key, value) pairs and is built
+    from them (its ddp_cache_data argument exists for DataParallel's gather)."""
+
+    def __init__(self, layers=()):
+        self.layers = [tuple(kv) for kv in layers]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+
+class Shape(tuple):
+    pass
+
+
+class _CustomOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        cache = LayerCache([(h, h * 2), (h + 1, h - 1)])
+        return {"logits": h, "cache": cache, "pair": Shape((h.sum(1), h.mean(1))), "tag": "ok",
+                "it": iter([1, 2])}
+
+
+def test_gather_rebuilds_custom_containers_like_dataparallel(wrap):
+    torch.manual_seed(0)
+    net = _CustomOutputs()
+    model = wrap(net)
+    x = torch.randn(6, 4)
+    out = model(x)
+    expected = dataparallel_gather([{k: v for k, v in net(s).items() if k not in ("tag", "it")}
+                                    for s in x.split(3)])
+    assert type(out["cache"]) is LayerCache and len(out["cache"]) == 2
+    for (k, v), (ek, ev) in zip(out["cache"], expected["cache"]):
+        torch.testing.assert_close(k, ek)
+        torch.testing.assert_close(v, ev)
+    assert type(out["pair"]) is Shape and all(torch.allclose(a, b) for a, b in zip(out["pair"], expected["pair"]))
+    torch.testing.assert_close(out["logits"], expected["logits"])
+    # where DataParallel would crash (a string, an iterator): one entry per shard
+    assert out["tag"] == ["ok", "ok"] and len(out["it"]) == 2
+    # the rebuilt containers carry gradients back to the workers
+    sum(k.sum() + v.sum() for k, v in out["cache"]).backward()
+    ref = copy.deepcopy(net)
+    sum(sum(k.sum() + v.sum() for k, v in ref(s)["cache"]) for s in x.split(3)).backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)

@@ -273,7 +273,7 @@ class Replica:
             _set_collective(None)
         self.stage = f"returning outputs of shard {msg.shard}"
         outs: list[torch.Tensor] = []
-        spec = _tree.flatten(out, outs)
+        spec = _tree.flatten(out, outs, output=True)
         for i, t in enumerate(outs):
             check_tensor(t, f"output tensor {i}")
         differentiable = msg.grad and any(t.requires_grad for t in outs)
