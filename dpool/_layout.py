@@ -1,7 +1,9 @@
 """Where the master's parameters and buffers lie in the shared parameter segment.
 
 Parameters come first, grouped by dtype so that one dtype's gradients form one
-dense range (summed across workers in a single op), then buffers. Each group
+dense range (summed across workers in a single op), then buffers. A parameter
+keeps its own memory format (``channels_last`` stays ``channels_last``); its
+gradient slot uses the same strides; buffers are laid out row-major. Each group
 starts 64-byte aligned. Workers' state segments use the same offsets: the
 parameter range holds that worker's gradients, the buffer range its private
 buffers.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._tensors import dtype_name, nbytes
+from ._tensors import dense_strides, dtype_name, nbytes
 from .shm import align
 
 __all__ = ["Layout"]
@@ -53,6 +55,7 @@ class Layout:
 
     @staticmethod
     def wire(tensors: list[torch.Tensor], offsets: list[int], with_grad: bool) -> list:
-        if with_grad:
-            return [[dtype_name(t.dtype), list(t.shape), o, t.requires_grad] for t, o in zip(tensors, offsets)]
+        if with_grad:  # parameters keep their memory format (strides, or None for row-major)
+            return [[dtype_name(t.dtype), list(t.shape), o, t.requires_grad, dense_strides(t)]
+                    for t, o in zip(tensors, offsets)]
         return [[dtype_name(t.dtype), list(t.shape), o] for t, o in zip(tensors, offsets)]

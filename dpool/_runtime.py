@@ -28,7 +28,7 @@ from . import _gather, _scatter, _tree
 from . import protocol as P
 from ._autograd import Bridge, CallState
 from ._layout import Layout
-from ._tensors import DTYPES, Placer, dtype_name, meta_nbytes as _meta_bytes, nbytes, read
+from ._tensors import DTYPES, Placer, dense_strides, dtype_name, meta_nbytes as _meta_bytes, nbytes, read
 from .config import Config
 from .errors import (
     RemoteError,
@@ -186,8 +186,9 @@ class Runtime:
         if unlink:
             self.master.unlink()
         self.param_views = []
-        for p, off in zip(self.params, layout.param_offsets):
-            v = standalone_view(self.master.mmap, off, p.dtype, p.shape)
+        self._param_strides = [dense_strides(p) for p in self.params]  # memory formats, kept in shared memory
+        for p, off, st in zip(self.params, layout.param_offsets, self._param_strides):
+            v = standalone_view(self.master.mmap, off, p.dtype, p.shape, st)
             v.copy_(p.detach())
             self.param_views.append(v)
         self.buffer_views = []
@@ -683,7 +684,8 @@ class Runtime:
                 if mask[i]:
                     p = self.params[i]
                     a = (self.layout.param_offsets[i] - start) // p.element_size()
-                    param_grads[i] = total[a : a + p.numel()].view(p.shape)
+                    st = self._param_strides[i]  # the gradient in the parameter's memory format
+                    param_grads[i] = total.as_strided(p.shape, st, a) if st else total[a : a + p.numel()].view(p.shape)
         input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
         return input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
 

@@ -15,7 +15,7 @@ import torch
 
 from .shm import align
 
-__all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer", "to_bytes", "from_bytes"]
+__all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer", "to_bytes", "from_bytes", "dense_strides"]
 
 _CANDIDATES = [
     "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
@@ -24,6 +24,23 @@ _CANDIDATES = [
 ]
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _CANDIDATES if isinstance(getattr(torch, n, None), torch.dtype)}
 _NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
+
+
+def dense_strides(t: torch.Tensor) -> list[int] | None:
+    """``t``'s strides if it is dense but not row-major (``channels_last``, a transposed weight), else None.
+
+    A dense tensor covers exactly ``numel`` elements with no gaps or overlaps, so it can live in
+    ``numel`` bytes of a segment with its own strides; anything else is laid out row-major.
+    """
+    if t.dim() == 0 or t.stride() == torch.empty(t.shape, device="meta").stride():
+        return None  # row-major, size-1 dimensions' strides included
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return None
+        expect *= sz
+    return list(t.stride())
 
 
 def to_bytes(t: torch.Tensor) -> bytes:

@@ -97,19 +97,22 @@ def tensor_view(u8: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[i
     return u8[offset : offset + nbytes].view(dtype).view(shape)
 
 
-def standalone_view(buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+def standalone_view(buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
+                    strides: list[int] | None = None) -> torch.Tensor:
     """Like :func:`tensor_view`, but a tensor with its *own* storage object (and version counter).
 
     Long-lived tensors (parameters, buffers, gradient slots) must not share one
     autograd version counter: BatchNorm's in-place update of one buffer would
-    otherwise invalidate another tensor saved for backward.
+    otherwise invalidate another tensor saved for backward. ``strides`` lay a
+    dense tensor out in its own memory format (``channels_last``); default row-major.
     """
     numel = 1
     for s in shape:
         numel *= s
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
+    flat = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
+    return flat.as_strided(shape, strides) if strides else flat.view(shape)
 
 
 class Segment:

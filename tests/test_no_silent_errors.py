@@ -305,3 +305,43 @@ def test_gather_rebuilds_custom_containers_like_dataparallel(wrap):
     sum(sum(k.sum() + v.sum() for k, v in ref(s)["cache"]) for s in x.split(3)).backward()
     for p, rp in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, rp.grad)
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 4, 1)
+        self.t = nn.Parameter(torch.randn(6, 4).t())  # a dense, non-row-major (transposed) parameter
+
+    def forward(self, x):
+        h = self.conv2(torch.relu(self.conv(x))).mean(dim=(2, 3))
+        return h @ self.t
+
+
+def test_memory_format_of_parameters_and_gradients_is_kept(wrap):
+    """channels_last (and transposed) parameters keep their strides in shared memory, and gradients
+    get the layout autograd gives them in one process (PyTorch's test_strided_grad_layout)."""
+    torch.manual_seed(0)
+    net = _ConvNet().double().to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(net)
+    strides = [p.stride() for p in net.parameters()]
+    assert net.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    model = wrap(net)
+    assert [p.stride() for p in net.parameters()] == strides
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(),
+                                                                                             lr=0.1, momentum=0.9)
+    for _ in range(3):
+        x = torch.randn(6, 3, 5, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+        for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+            assert p.grad.stride() == rp.grad.stride(), n
+            torch.testing.assert_close(p.grad, rp.grad)
+        opt.step()
+        ref_opt.step()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp)
+    model.close()
+    assert [p.stride() for p in net.parameters()] == strides  # and after close, in private memory

@@ -161,8 +161,10 @@ class Replica:
                 sys.path.append(p)
         master = self._seg("params", msg.params)
         state = self._seg("state", msg.state)
-        self.param_views = [standalone_view(master.mmap, off, DTYPES[dt], shape) for dt, shape, off, _ in msg.param_layout]
-        self.grad_views = [standalone_view(state.mmap, off, DTYPES[dt], shape) for dt, shape, off, _ in msg.param_layout]
+        self.param_views = [standalone_view(master.mmap, off, DTYPES[dt], shape, st)
+                            for dt, shape, off, _, st in msg.param_layout]
+        self.grad_views = [standalone_view(state.mmap, off, DTYPES[dt], shape, st)
+                           for dt, shape, off, _, st in msg.param_layout]
         self.buffer_views = [standalone_view(state.mmap, off, DTYPES[dt], shape) for dt, shape, off in msg.buffer_layout]
         if msg.buffer_layout:
             start = min(off for _, _, off in msg.buffer_layout)
