@@ -45,6 +45,7 @@ __all__ = ["Runtime"]
 
 _MIN_IO = 1 << 20
 _SEED_RANGE = 1 << 62
+_ROLES = ("in", "out", "gout", "gin", "sparse")  # a worker's growable I/O segments (see _ensure)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -112,7 +113,7 @@ class Runtime:
         self._release: set[int] = set()
         self._live: dict[int, Any] = {}  # call -> weakref to the autograd ctx
         self._regions: list[dict[int, tuple[Segment, int, int]]] = [{} for _ in range(self.n)]
-        self._io = [{r: _IO() for r in ("in", "out", "gout", "gin")} for _ in range(self.n)]
+        self._io = [{r: _IO() for r in _ROLES} for _ in range(self.n)]
         self._closed = False
         self.restarts_left = max_restarts
         if shard_weights is not None:
@@ -347,7 +348,7 @@ class Runtime:
         for i in indices:
             self.states[i] = self.pool.new_segment(self.layout.size, min_size=64)
             self._grad_slots[i] = [self.states[i].u8[a:b].view(dt) for dt, a, b, _ in self.layout.param_groups]
-            self._io[i] = {r: _IO() for r in ("in", "out", "gout", "gin")}
+            self._io[i] = {r: _IO() for r in _ROLES}
             self._regions[i] = {}
             self._buffer_slots[i] = self._buffers.slot_views(self.states[i].u8)
         if 0 in indices and self.layout.buffer_range is not None:
@@ -660,10 +661,20 @@ class Runtime:
             seg = self._ensure(s, "gout", placer.offset)
             gmetas = [Placer.write(seg.views, o, g) if g is not None else None for o, g in zip(offs, mine)]
             gin = self._ensure(s, "gin", state.gin_sizes[s])
-            msgs[s] = P.Backward(state.call, pool.step, seg.ref(), gmetas, gin.ref(), self.no_sync)
+            sparse = self._io[s]["sparse"].seg
+            msgs[s] = P.Backward(state.call, pool.step, seg.ref(), gmetas, gin.ref(), self.no_sync,
+                                 sparse.ref() if sparse is not None else [None, 0])
         replies = self._request(msgs, "running backward")
         pool.unlink_segments()
         self._raise_failures(replies, "backward")
+        need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}
+        if need:  # sparse gradients larger than the sparse segment (or the first ones): grow it, fetch them
+            fetched = self._request({s: P.FetchSparse(state.call, self._ensure(s, "sparse", n).ref())
+                                     for s, n in need.items()}, "returning sparse gradients")
+            pool.unlink_segments()
+            self._raise_failures(fetched, "backward")
+            for s, r in fetched.items():
+                replies[s].sparse = r.sparse
         if self._balance:
             for s in range(state.k):
                 self._observe(s, 1, replies[s].busy, state.rows[s])
@@ -671,7 +682,8 @@ class Runtime:
         mask = bytearray(len(self.params))
         for s in range(state.k):
             for i, b in enumerate(replies[s].param_mask):
-                mask[i] |= b
+                if b == 1:
+                    mask[i] = 1
         param_grads: list[torch.Tensor | None] = [None] * len(self.params)
         for g, (dtype, start, end, idxs) in enumerate(self.layout.param_groups):
             if not any(mask[i] for i in idxs):
@@ -686,6 +698,13 @@ class Runtime:
                     a = (self.layout.param_offsets[i] - start) // p.element_size()
                     st = self._param_strides[i]  # the gradient in the parameter's memory format
                     param_grads[i] = total.as_strided(p.shape, st, a) if st else total[a : a + p.numel()].view(p.shape)
+        for s in range(state.k):  # sparse gradients: summed as sparse tensors, as DataParallel's reduce does
+            seg = self._io[s]["sparse"].seg
+            for i, imeta, vmeta in replies[s].sparse:
+                part = torch.sparse_coo_tensor(read(seg.views, imeta).clone(), read(seg.views, vmeta).clone(),
+                                               self.params[i].shape, check_invariants=False)
+                g = param_grads[i]
+                param_grads[i] = part if g is None else g + part
         input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
         return input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
 

@@ -49,6 +49,8 @@ __all__ = [
     "ForwardDone",
     "Fetch",
     "Backward",
+    "FetchSparse",
+    "FetchSparseDone",
     "BackwardDone",
     "Criterion",
     "CriterionDone",
@@ -64,7 +66,7 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 3  # 2: attach derives the session key from a nonce; attach_reply names the daemon pid
-# 3: forward carries a seed drawn from the coordinator's generator
+# 3: forward carries a seed drawn from the coordinator's generator; sparse gradients; parameter strides
 MAC_SIZE = 32
 
 # A shared-memory reference: [segment name, size in bytes].
@@ -217,12 +219,14 @@ class Fetch(Message):
     outputs: SegRef
 
 
-@_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_LIST, input_grads=_LIST, hold=_BOOL)
+@_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_LIST, input_grads=_LIST, hold=_BOOL,
+          sparse=_LIST)
 class Backward(Message):
     """Backpropagate ``grad_tensors`` (metas in ``grads``, ``None`` for no gradient) through ``call``.
 
     ``hold`` (``no_sync``): keep the parameter gradients in the worker, accumulating, instead of
-    writing them to the gradient slot.
+    writing them to the gradient slot. ``sparse``: the segment for sparse gradients (see
+    :class:`BackwardDone`).
     """
 
     call: int
@@ -231,16 +235,42 @@ class Backward(Message):
     grad_tensors: list
     input_grads: SegRef
     hold: bool
+    sparse: SegRef
 
 
-@_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_LIST, busy=(float,))
+@_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_LIST, busy=(float,), sparse=_LIST,
+          sparse_need=_INT)
 class BackwardDone(Message):
-    """Parameter gradients are in the worker's gradient slot; ``param_mask`` says which exist."""
+    """Parameter gradients are in the worker's gradient slot; ``param_mask`` says which exist.
+
+    ``param_mask`` is 1 for a dense gradient (in the slot) and 2 for a sparse one
+    (``nn.Embedding(sparse=True)``): ``sparse`` lists ``[param index, indices meta,
+    values meta]`` of each, coalesced, in the sparse segment; ``sparse_need > 0`` means
+    that segment was too small and the gradients wait for :class:`FetchSparse`.
+    """
 
     call: int
     param_mask: bytes
     input_grads: list
     busy: float
+    sparse: list
+    sparse_need: int
+
+
+@_message("fetch_sparse", call=_INT, sparse=_LIST)
+class FetchSparse(Message):
+    """Write the sparse gradients that ``call``'s backward kept into a (larger) sparse segment."""
+
+    call: int
+    sparse: SegRef
+
+
+@_message("fetch_sparse_done", call=_INT, sparse=_LIST)
+class FetchSparseDone(Message):
+    """The sparse gradients of ``call``, as in :class:`BackwardDone`."""
+
+    call: int
+    sparse: list
 
 
 @_message("criterion", call=_INT, fn=_BYTES, tree=(object,), tensors=_LIST, inputs=_LIST)
@@ -427,7 +457,7 @@ class Failed(Message):
 MESSAGES: dict[str, type[Message]] = {
     cls.op: cls  # type: ignore[misc]
     for cls in (
-        Hello, Init, InitDone, Forward, ForwardDone, Fetch, Backward, BackwardDone,
+        Hello, Init, InitDone, Forward, ForwardDone, Fetch, Backward, BackwardDone, FetchSparse, FetchSparseDone,
         Criterion, CriterionDone, Release, ReleaseDone, Call, CallDone, AllReduce, AllReduceDone, Shutdown, Failed,
         Output, Attach, Detached, AttachRequest, AttachReply, DetachRequest, StatusRequest, StatusReply, StopRequest, Ok,
     )

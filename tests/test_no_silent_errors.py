@@ -345,3 +345,42 @@ def test_memory_format_of_parameters_and_gradients_is_kept(wrap):
         torch.testing.assert_close(p, rp)
     model.close()
     assert [p.stride() for p in net.parameters()] == strides  # and after close, in private memory
+
+
+class _SparseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.bag = nn.EmbeddingBag(30, 8, mode="sum", sparse=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, tokens, bags):
+        return self.out(self.emb(tokens).mean(1) + self.bag(bags))
+
+
+def test_sparse_gradients_reach_the_master_as_sparse_and_sparse_adam_trains_like_the_reference(wrap):
+    torch.manual_seed(0)
+    net = _SparseNet().double()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+
+    def optimizers(m):
+        return (torch.optim.SparseAdam([m.emb.weight, m.bag.weight], lr=0.05),
+                torch.optim.SGD(m.out.parameters(), lr=0.1))
+
+    opts, ref_opts = optimizers(net), optimizers(ref)
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        tokens = torch.randint(0, 50, (10, 6), generator=g)
+        bags = torch.randint(0, 30, (10, 4), generator=g)
+        for m, os_ in ((model, opts), (ref, ref_opts)):
+            for o in os_:
+                o.zero_grad()
+            m(tokens, bags).pow(2).sum().backward()
+        for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+            assert p.grad.layout == rp.grad.layout, n  # sparse stays sparse, dense stays dense
+            torch.testing.assert_close(p.grad.to_dense(), rp.grad.to_dense(), msg=n)
+        for o in opts + ref_opts:
+            o.step()
+    for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp, msg=n)

@@ -104,6 +104,7 @@ class Replica:
         self.segs: dict[str, Mapped] = {}
         self.calls: dict[int, _Call] = {}
         self.unfetched: dict[int, tuple[list[torch.Tensor], bool]] = {}
+        self.unfetched_sparse: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._to_release: list[int] = []
         self.collective: Any = None
         self._holding = False
@@ -114,6 +115,7 @@ class Replica:
             "forward": self.forward,
             "fetch": self.fetch,
             "backward": self.backward,
+            "fetch_sparse": self.fetch_sparse,
             "release": self.release,
             "call": self.call,
             "criterion": self.criterion,
@@ -154,6 +156,7 @@ class Replica:
         # A second init re-syncs a changed model: the old replica's graphs and flags go with it.
         self.calls.clear()
         self.unfetched.clear()
+        self.unfetched_sparse.clear()
         self._holding = False
         self._training = self._requires_grad = b""
         for p in msg.sys_path:
@@ -330,15 +333,28 @@ class Replica:
             finally:
                 _set_collective(None)
         mask = bytearray(len(self.params))
+        sparse: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._holding = msg.hold  # no_sync: gradients stay here, accumulating, until a backward without hold
         for i, p in enumerate(self.params):
             if p.requires_grad and not msg.hold:
-                if p.grad is not None:
-                    self.grad_views[i].copy_(p.grad)
+                g = p.grad
+                if g is not None and g.is_sparse:  # nn.Embedding(sparse=True): indices and values travel
+                    g = g.coalesce()
+                    sparse.append((i, g.indices(), g.values()))
+                    mask[i] = 2
+                    p.grad = None
+                elif g is not None:
+                    self.grad_views[i].copy_(g)
                     mask[i] = 1
                     p.grad = None
                 else:
                     self.grad_views[i].zero_()
+        smetas: list[Any] = []
+        sparse_need = 0
+        if sparse:
+            smetas, sparse_need = self._write_sparse(sparse, msg.sparse)
+            if sparse_need:
+                self.unfetched_sparse[msg.call] = sparse
         placer = Placer()
         metas: list[Any] = []
         for leaf in call.leaves:
@@ -351,7 +367,23 @@ class Replica:
             metas.append(Placer.write(giseg.views, off, leaf.grad))
             leaf.grad = None
         self.stage = "idle"
-        return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0)
+        return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0, smetas, sparse_need)
+
+    def _write_sparse(self, sparse: list[tuple[int, torch.Tensor, torch.Tensor]], ref: list) -> tuple[list, int]:
+        """Write sparse gradients into the segment ``ref``; (metas, 0), or ([], bytes needed) if too small."""
+        placer = Placer()
+        offs = [(placer.reserve(ix), placer.reserve(v)) for _, ix, v in sparse]
+        if placer.offset > ref[1]:
+            return [], placer.offset
+        seg = self._seg("sparse", ref)
+        return [[i, Placer.write(seg.views, oi, ix), Placer.write(seg.views, ov, v)]
+                for (i, ix, v), (oi, ov) in zip(sparse, offs)], 0
+
+    def fetch_sparse(self, msg: P.FetchSparse) -> P.Message:
+        metas, need = self._write_sparse(self.unfetched_sparse.pop(msg.call), msg.sparse)
+        if need:
+            raise RuntimeError("sparse-gradient segment still too small (coordinator bug)")
+        return P.FetchSparseDone(msg.call, metas)
 
     # ---------------------------------------------------------------- loss on the workers
     def criterion(self, msg: P.Criterion) -> P.Message:
