@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ._tensors import read
+from ._tensors import Placer, read
 from .errors import UnsupportedError
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
     from .shm import Segment
 
-__all__ = ["Bridge", "CallState"]
+__all__ = ["Bridge", "CallState", "DoubleBridge", "DoubleState"]
 
 _SCALAR_WARNING = (
     "Was asked to gather along dimension 0, but all input tensors were scalars; "
@@ -53,6 +53,8 @@ class CallState:
         self.shard_shapes = shard_shapes
         self.ctx: Any = None
         self.rows: list[int] = [1] * k
+        self.diff_inputs: list[torch.Tensor] = []  # set by the runtime: what a double backward differentiates
+        self.diff_params: list[torch.Tensor] = []
         dim = runtime.dim
         self.differentiable = [any(metas[s][g[s]][3] for s in range(k)) for g in groups]
         self.stacked = [runtime.n > 1 and all(len(metas[s][g[s]][1]) == 0 for s in range(k)) for g in groups]
@@ -149,13 +151,103 @@ class Bridge(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         ctx.saved_tensors  # raises torch's own error on a second backward without retain_graph
-        if torch.is_grad_enabled():  # autograd enables grad mode here only for create_graph=True
-            raise UnsupportedError(
-                "higher-order gradients through a dpool model are not supported: backward(create_graph=True) "
-                "or torch.autograd.grad(..., create_graph=True) (a gradient penalty, R1, MAML, Jacobian "
-                "regularisation) would get gradients that are not differentiable, and the penalty's share of "
-                "the parameters' gradients would be lost. Compute that term on dpool.unwrap(model) (the master "
-                "module, in this process), or train with DistributedDataParallel."
-            )
         state: CallState = ctx.state
         return (None, *state.runtime.backward(state, grads))
+
+
+class DoubleState:
+    """A ``create_graph=True`` backward of one call, whose gradients are themselves differentiable.
+
+    The workers kept the graph of the gradients as call ``call`` (see ``keep_as`` in
+    :class:`dpool.protocol.Backward`). Its outputs, per shard, are the gradients of the parameters
+    that require grad, then of the input leaves; its leaves are the incoming output gradients
+    (``roots`` order), then the inputs.
+    """
+
+    def __init__(self, runtime: "Runtime", state: CallState, call: int, per_shard: list[list[Any]],
+                 grads: Sequence[torch.Tensor | None], out: list[torch.Tensor | None]) -> None:
+        self.runtime, self.state, self.call, self.k = runtime, state, call, state.k
+        self.ctx: Any = None
+        self.per_shard = per_shard
+        self.roots = [[o for o, g in enumerate(per_shard[s]) if g is not None and state.metas[s][o][3]]
+                      for s in range(state.k)]
+        self.grad_groups = [j for j, g in enumerate(grads) if j < len(state.groups) and g is not None
+                            and g.requires_grad]
+        self.inputs = ([grads[j] for j in self.grad_groups] + list(state.diff_inputs)  # type: ignore[misc]
+                       + list(state.diff_params))
+        self.present = [g is not None for g in out]
+        self.values = [g.clone() for g in out if g is not None]
+        self.n_in = sum(state.rg)
+
+    def pieces(self, vs: Sequence[torch.Tensor | None]) -> tuple[list[list[Any]], list[int]]:
+        """Per shard, the gradients for the kept graph's outputs; and the input-gradient segment sizes."""
+        it = iter(vs)
+        full = [next(it) if p else None for p in self.present]
+        v_in, v_par = full[: self.n_in], full[self.n_in:]
+        st, dim = self.state, self.runtime.dim
+        idx = [j for j, r in enumerate(st.rg) if r]
+        per_shard, sizes = [], []
+        for s in range(self.k):
+            mine: list[Any] = list(v_par)
+            for jj, j in enumerate(idx):
+                v = v_in[jj]
+                if v is not None and st.splits[j] is not None and self.k > 1:
+                    v = v.narrow(dim, sum(st.splits[j][:s]), st.splits[j][s])
+                mine.append(v)
+            per_shard.append(mine)
+            placer = Placer()
+            for o in self.roots[s]:
+                placer.reserve(self.per_shard[s][o])
+            sizes.append(placer.offset + st.gin_sizes[s] + 64)
+        return per_shard, sizes
+
+    def results(self, metas: list[list[Any]], param_grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Gradients for :attr:`inputs`: incoming output gradients, then inputs, then parameters."""
+        st, dim, io = self.state, self.runtime.dim, self.runtime._io
+        d_grads: list[torch.Tensor | None] = []
+        for j in self.grad_groups:
+            parts: list[torch.Tensor | None] = []
+            for s in range(self.k):
+                o = st.groups[j][s]
+                m = metas[s][self.roots[s].index(o)] if o in self.roots[s] else None
+                parts.append(read(io[s]["gin"].seg.views, m) if m is not None else None)
+            if all(p is None for p in parts):
+                d_grads.append(None)
+                continue
+            filled = [p if p is not None else torch.zeros(self.per_shard[s][st.groups[j][s]].shape,
+                                                          dtype=parts_dtype(parts)) for s, p in enumerate(parts)]
+            if st.stacked[j]:
+                d_grads.append(torch.stack(filled))
+            else:
+                d_grads.append(torch.cat(filled, dim) if len(filled) > 1 else filled[0].clone())
+        d_inputs = st.input_grads([metas[s][len(self.roots[s]):] for s in range(self.k)])
+        return d_grads + d_inputs + list(param_grads)
+
+
+class DoubleBridge(torch.autograd.Function):
+    """The gradients of a ``create_graph=True`` backward, differentiable through the workers' graphs.
+
+    ``forward`` returns the gradients the workers computed (inputs: the incoming output gradients
+    that require grad, the inputs and the parameters they depend on); ``backward`` sends the
+    gradients of those gradients to the workers, which backpropagate through the graphs they kept:
+    a gradient penalty (WGAN-GP, R1) reaches the parameters as in one process.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, double: DoubleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        double.ctx = ctx
+        ctx.double = double
+        ctx.save_for_backward(inputs[0])  # lets the runtime see when the graph is freed
+        return tuple(double.values)
+
+    @staticmethod
+    def backward(ctx: Any, *vs: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.saved_tensors
+        if torch.is_grad_enabled():
+            raise UnsupportedError(
+                "third- and higher-order gradients through a dpool model are not supported (a create_graph=True "
+                "backward through gradients that a create_graph=True backward made); compute this term on "
+                "dpool.unwrap(model)"
+            )
+        double: DoubleState = ctx.double
+        return (None, *double.runtime.double_backward(double, vs))

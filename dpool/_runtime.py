@@ -527,6 +527,7 @@ class Runtime:
                           [[t.shape for t in shards[s]] for s in range(k)])
         diff_inputs = [t for t, r in zip(tensors, rg) if r]
         diff_params = [p for p in self.params if p.requires_grad] if grad else []
+        state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
         if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
             from ._criterion import ShardedOutput
 
@@ -642,7 +643,11 @@ class Runtime:
     def backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
                  pieces: list[list[torch.Tensor | None]] | None = None) -> list[torch.Tensor | None]:
         """Backpropagate on the workers. ``pieces``: per shard, gradients by worker output index
-        (given directly for losses computed on the workers); otherwise sliced from ``grads``."""
+        (given directly for losses computed on the workers); otherwise sliced from ``grads``.
+
+        Under ``create_graph=True`` (autograd runs this with grad mode on) the gradients returned are
+        differentiable: see :class:`dpool._autograd.DoubleBridge`.
+        """
         pool = self.pool
         pool.check_usable()
         if state.call <= self._epoch_call:
@@ -650,37 +655,73 @@ class Runtime:
                 "the autograd graph of this forward was lost when a dpool worker was restarted; "
                 "run the forward again (the master module is unchanged)"
             )
+        create_graph = torch.is_grad_enabled()  # autograd enables grad mode here only for create_graph
+        if create_graph and (pieces is not None or self.no_sync):
+            raise UnsupportedError(
+                "higher-order gradients (create_graph=True) through a dpool model are supported for gathered "
+                "outputs outside no_sync() only; compute this term on dpool.unwrap(model)"
+            )
         release = self._collect_released()
         if release:
             self._release.update(release)  # piggybacked on the next forward
-        msgs: dict[int, P.Message] = {}
+        per_shard = [pieces[s] if pieces is not None else state.grad_pieces(grads, s) for s in range(state.k)]
+        keep = 0
+        if create_graph:
+            keep = self._next_call = self._next_call + 1
+        param_grads, replies = self._backward_round(state.call, state.k, per_shard, state.gin_sizes, keep,
+                                                    self.no_sync, rows=state.rows)
+        input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
+        out = input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
+        if not create_graph:
+            return out
+        from ._autograd import DoubleBridge, DoubleState
+
+        # the gradients' graph lives on the workers as call `keep`; its input regions must outlive it
         for s in range(state.k):
-            mine = pieces[s] if pieces is not None else state.grad_pieces(grads, s)
+            span = self._regions[s].get(state.call)
+            if span is not None:
+                self._regions[s][keep] = span
+        double = DoubleState(self, state, keep, per_shard, grads, out)
+        results = DoubleBridge.apply(double, *double.inputs)
+        if not isinstance(results, tuple):
+            results = (results,)
+        self._live[keep] = weakref.ref(double.ctx)
+        double.ctx = None
+        it = iter(results)
+        return [next(it) if g is not None else None for g in out]
+
+    def _backward_round(self, call: int, k: int, per_shard: list[list[torch.Tensor | None]], gin_sizes: list[int],
+                        keep: int, hold: bool, rows: list[int] | None = None) -> tuple[list, dict]:
+        """One backward round on ``k`` shards of ``call``: the summed parameter gradients and the replies."""
+        pool = self.pool
+        msgs: dict[int, P.Message] = {}
+        for s in range(k):
+            mine = per_shard[s]
             placer = Placer()
             offs = [placer.reserve(g) if g is not None else None for g in mine]
             seg = self._ensure(s, "gout", placer.offset)
-            gmetas = [Placer.write(seg.views, o, g) if g is not None else None for o, g in zip(offs, mine)]
-            gin = self._ensure(s, "gin", state.gin_sizes[s])
+            gmetas = [Placer.write(seg.views, o, g.detach()) if g is not None else None for o, g in zip(offs, mine)]
+            gin = self._ensure(s, "gin", gin_sizes[s])
             sparse = self._io[s]["sparse"].seg
-            msgs[s] = P.Backward(state.call, pool.step, seg.ref(), gmetas, gin.ref(), self.no_sync,
-                                 sparse.ref() if sparse is not None else [None, 0])
+            msgs[s] = P.Backward(call, pool.step, seg.ref(), gmetas, gin.ref(), hold,
+                                 sparse.ref() if sparse is not None else [None, 0], keep)
         replies = self._request(msgs, "running backward")
         pool.unlink_segments()
         self._raise_failures(replies, "backward")
         need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}
         if need:  # sparse gradients larger than the sparse segment (or the first ones): grow it, fetch them
-            fetched = self._request({s: P.FetchSparse(state.call, self._ensure(s, "sparse", n).ref())
+            fetched = self._request({s: P.FetchSparse(call, self._ensure(s, "sparse", n).ref())
                                      for s, n in need.items()}, "returning sparse gradients")
             pool.unlink_segments()
             self._raise_failures(fetched, "backward")
             for s, r in fetched.items():
                 replies[s].sparse = r.sparse
-        if self._balance:
-            for s in range(state.k):
-                self._observe(s, 1, replies[s].busy, state.rows[s])
+        if self._balance and rows is not None:
+            for s in range(k):
+                self._observe(s, 1, replies[s].busy, rows[s])
         # Sum the workers' gradient slots, one dense op per dtype group.
         mask = bytearray(len(self.params))
-        for s in range(state.k):
+        for s in range(k):
             for i, b in enumerate(replies[s].param_mask):
                 if b == 1:
                     mask[i] = 1
@@ -688,7 +729,7 @@ class Runtime:
         for g, (dtype, start, end, idxs) in enumerate(self.layout.param_groups):
             if not any(mask[i] for i in idxs):
                 continue
-            views = [self._grad_slots[s][g] for s in range(state.k)]
+            views = [self._grad_slots[s][g] for s in range(k)]
             total = torch.add(views[0], views[1]) if len(views) > 1 else views[0].clone()
             for v in views[2:]:
                 total.add_(v)
@@ -698,15 +739,25 @@ class Runtime:
                     a = (self.layout.param_offsets[i] - start) // p.element_size()
                     st = self._param_strides[i]  # the gradient in the parameter's memory format
                     param_grads[i] = total.as_strided(p.shape, st, a) if st else total[a : a + p.numel()].view(p.shape)
-        for s in range(state.k):  # sparse gradients: summed as sparse tensors, as DataParallel's reduce does
+        for s in range(k):  # sparse gradients: summed as sparse tensors, as DataParallel's reduce does
             seg = self._io[s]["sparse"].seg
             for i, imeta, vmeta in replies[s].sparse:
                 part = torch.sparse_coo_tensor(read(seg.views, imeta).clone(), read(seg.views, vmeta).clone(),
                                                self.params[i].shape, check_invariants=False)
                 g = param_grads[i]
                 param_grads[i] = part if g is None else g + part
-        input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
-        return input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
+        return param_grads, replies
+
+    @_one_call_at_a_time
+    def double_backward(self, double: Any, vs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Differentiate the gradients of a ``create_graph=True`` backward (see ``DoubleBridge``)."""
+        self.pool.check_usable()
+        if double.call <= self._epoch_call:
+            raise RuntimeError("the graph of these gradients was lost when a dpool worker was restarted")
+        per_shard, gin_sizes = double.pieces(vs)
+        param_grads, replies = self._backward_round(double.call, double.k, per_shard, gin_sizes, 0, False)
+        return double.results([replies[s].input_grads for s in range(double.k)],
+                              [g for g, p in zip(param_grads, self.params) if p.requires_grad])
 
     # ------------------------------------------------------------------ misc
     @_one_call_at_a_time

@@ -66,7 +66,8 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 3  # 2: attach derives the session key from a nonce; attach_reply names the daemon pid
-# 3: forward carries a seed drawn from the coordinator's generator; sparse gradients; parameter strides
+# 3: forward carries a seed drawn from the coordinator's generator; sparse gradients; parameter strides;
+#    backward keep_as (higher-order gradients)
 MAC_SIZE = 32
 
 # A shared-memory reference: [segment name, size in bytes].
@@ -220,13 +221,16 @@ class Fetch(Message):
 
 
 @_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_LIST, input_grads=_LIST, hold=_BOOL,
-          sparse=_LIST)
+          sparse=_LIST, keep_as=_INT)
 class Backward(Message):
     """Backpropagate ``grad_tensors`` (metas in ``grads``, ``None`` for no gradient) through ``call``.
 
     ``hold`` (``no_sync``): keep the parameter gradients in the worker, accumulating, instead of
     writing them to the gradient slot. ``sparse``: the segment for sparse gradients (see
-    :class:`BackwardDone`).
+    :class:`BackwardDone`). ``keep_as > 0`` (``create_graph=True``): build the graph of the
+    gradients too and keep it as call ``keep_as``, whose outputs are the gradients of the
+    parameters that require grad, then of the input leaves, and whose leaves are the incoming
+    gradients, then the inputs; a later ``backward`` of ``keep_as`` differentiates the gradients.
     """
 
     call: int
@@ -236,6 +240,7 @@ class Backward(Message):
     input_grads: SegRef
     hold: bool
     sparse: SegRef
+    keep_as: int
 
 
 @_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_LIST, busy=(float,), sparse=_LIST,

@@ -47,20 +47,49 @@ def test_concurrent_calls_from_threads_match_the_reference(wrap):
         torch.testing.assert_close(p.grad, rp.grad)
 
 
-def test_higher_order_gradients_raise_instead_of_dropping_the_penalty(wrap):
-    """A gradient penalty (WGAN-GP, R1) needs double backward: a clear error at the grad call."""
+@pytest.mark.parametrize("kind", ["wgan_gp", "r1_nonlinear", "param_grad_penalty"])
+def test_higher_order_gradients_match_the_reference(wrap, kind):
+    """Gradient penalties need double backward through the workers' graphs: WGAN-GP (gradient w.r.t. an
+    interpolated input), R1 through a non-linear function of the output (the incoming gradients then
+    require grad too), and a penalty on the parameters' own gradients (Jacobian regularisation, MAML)."""
+    torch.manual_seed(0)
     net = models.make("mlp")
-    model = wrap(net)
-    x = torch.randn(6, 12, dtype=torch.float64, requires_grad=True)
-    out = model(x)
-    with pytest.raises(dpool.UnsupportedError, match="higher-order gradients") as info:
-        torch.autograd.grad(out.sum(), x, create_graph=True)
-    assert isinstance(info.value, RuntimeError) and "dpool.unwrap(model)" in str(info.value)
-    # first-order use of the same model still works, and matches the reference
     ref = copy.deepcopy(net)
-    (g,) = torch.autograd.grad(model(x).sum(), x)
-    (rg,) = torch.autograd.grad(ref(x).sum(), x)
-    torch.testing.assert_close(g, rg)
+    model = wrap(net)
+    for step in range(2):
+        real = torch.randn(7, 12, dtype=torch.float64)
+        for m in (model, ref):
+            m.zero_grad()
+            if kind == "wgan_gp":
+                x = (0.3 * real + 0.7 * torch.randn(7, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(step))).requires_grad_()
+                out = m(x)
+                (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+                loss = out.mean() + ((g.norm(2, dim=1) - 1) ** 2).mean()
+            elif kind == "r1_nonlinear":
+                x = real.clone().requires_grad_()
+                out = m(x)
+                (g,) = torch.autograd.grad(torch.nn.functional.softplus(out).sum(), x, create_graph=True)
+                loss = g.pow(2).sum() + out.pow(2).mean()
+            else:
+                out = m(real)
+                gs = torch.autograd.grad(out.pow(2).mean(), list(m.parameters()), create_graph=True)
+                loss = sum(gr.pow(2).sum() for gr in gs) + out.mean()
+            loss.backward()
+        for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, rp.grad, msg=f"{kind}: {n}")
+
+
+def test_third_order_gradients_raise_instead_of_a_wrong_number(wrap):
+    model = wrap(models.make("mlp"))
+    x = torch.randn(6, 12, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(model(x).pow(3).sum(), x, create_graph=True)
+    (h,) = torch.autograd.grad(g.sum(), x, retain_graph=True)  # second order: supported
+    ref = copy.deepcopy(model.module)
+    (rg,) = torch.autograd.grad(ref(x).pow(3).sum(), x, create_graph=True)
+    torch.testing.assert_close(h, torch.autograd.grad(rg.sum(), x)[0])
+    with pytest.raises(dpool.UnsupportedError, match="third- and higher-order") as info:
+        torch.autograd.grad(g.sum(), x, create_graph=True)  # a graph of the second derivative
+    assert isinstance(info.value, RuntimeError)
 
 
 class _BufferRequiringGrad(nn.Module):

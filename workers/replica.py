@@ -320,9 +320,11 @@ class Replica:
         giseg = self._seg("gin", msg.input_grads)
         roots, grads = [], []
         for t, meta in zip(call.outputs, msg.grad_tensors):
-            if meta is not None and t.requires_grad:
+            if meta is not None and t is not None and t.requires_grad:
                 roots.append(t)
                 grads.append(read(gseg.views, meta))
+        if msg.keep_as:
+            return self._backward_create_graph(msg, call, roots, grads, giseg, t0)
         if not self._holding:
             for p in self.params:
                 p.grad = None
@@ -368,6 +370,55 @@ class Replica:
             leaf.grad = None
         self.stage = "idle"
         return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0, smetas, sparse_need)
+
+    def _backward_create_graph(self, msg: P.Backward, call: _Call, roots: list[torch.Tensor],
+                               grads: list[torch.Tensor], giseg: Mapped, t0: float) -> P.Message:
+        """``backward(create_graph=True)``: gradients that are themselves differentiable.
+
+        The gradients' graph is kept as call ``msg.keep_as`` (see :class:`dpool.protocol.Backward`);
+        the incoming gradients become leaves of it (copied: their segment is reused next step).
+        """
+        gleaves = [g.clone().requires_grad_(True) for g in grads]
+        wanted = [p for p in self.params if p.requires_grad]
+        inputs = [leaf for leaf in call.leaves if leaf is not None]
+        results: list[Any] = [None] * (len(wanted) + len(inputs))
+        if roots:
+            self._enter_collective(call.world)
+            try:
+                with torch.enable_grad():
+                    results = list(torch.autograd.grad(roots, wanted + inputs, gleaves, retain_graph=True,
+                                                       create_graph=True, allow_unused=True))
+            finally:
+                _set_collective(None)
+        mask = bytearray(len(self.params))
+        k = 0
+        for i, p in enumerate(self.params):
+            if not p.requires_grad:
+                continue
+            r = results[k]
+            k += 1
+            if r is None:
+                self.grad_views[i].zero_()
+            elif r.is_sparse:
+                raise RuntimeError("dpool does not support create_graph=True with sparse gradients")
+            else:
+                self.grad_views[i].copy_(r.detach())
+                mask[i] = 1
+        placer = Placer()
+        metas: list[Any] = []
+        it = iter(results[len(wanted):])
+        for leaf in call.leaves:
+            r = next(it) if leaf is not None else None
+            if r is None:
+                metas.append(None)
+                continue
+            off = placer.reserve(r)
+            if placer.offset > msg.input_grads[1]:
+                raise RuntimeError("input-gradient segment too small (coordinator bug)")
+            metas.append(Placer.write(giseg.views, off, r.detach()))
+        self.calls[msg.keep_as] = _Call(results, gleaves + list(call.leaves), call.world)
+        self.stage = "idle"
+        return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0, [], 0)
 
     def _write_sparse(self, sparse: list[tuple[int, torch.Tensor, torch.Tensor]], ref: list) -> tuple[list, int]:
         """Write sparse gradients into the segment ``ref``; (metas, 0), or ([], bytes needed) if too small."""
