@@ -413,3 +413,22 @@ def test_sparse_gradients_reach_the_master_as_sparse_and_sparse_adam_trains_like
             o.step()
     for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, rp, msg=n)
+
+
+def test_huggingface_gpt2_with_cache_returns_one_dynamic_cache(wrap):
+    """A real HuggingFace model (random weights, built from a config: nothing is downloaded)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0,
+                     eos_token_id=0)
+    net = GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 100, (5, 8))
+    with torch.no_grad():
+        ref = net(input_ids=ids, use_cache=True)
+        out = wrap(net)(input_ids=ids, use_cache=True)
+    assert type(out) is type(ref) and type(out.past_key_values) is type(ref.past_key_values)
+    torch.testing.assert_close(out.logits, ref.logits)
+    for layer, ref_layer in zip(out.past_key_values.layers, ref.past_key_values.layers):
+        torch.testing.assert_close(layer.keys, ref_layer.keys)
+        torch.testing.assert_close(layer.values, ref_layer.values)
