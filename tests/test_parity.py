@@ -162,3 +162,18 @@ def test_float32_training(wrap):
         ropt.zero_grad()
     for p, rp in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p, rp, rtol=1e-4, atol=1e-5)
+
+
+def test_the_same_seed_gives_the_same_dropout_embedded_and_attached(wrap, daemon_pools):
+    """Workers seed their generators from the coordinator's: the same torch.manual_seed gives the same
+    run whether the pool is embedded or attached from a warm daemon."""
+    from tests.test_no_silent_errors import _Dropout
+
+    runs = []
+    for pool in (None, daemon_pools[2]):
+        torch.manual_seed(0)
+        net = _Dropout()
+        model = wrap(net, pool=pool) if pool else wrap(net)
+        runs.append([model(torch.ones(8, 16)).detach() for _ in range(3)])
+        model.close()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
