@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ._tensors import Placer, read
-from .errors import UnsupportedError
+from .errors import GatherError, UnsupportedError
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -78,7 +78,16 @@ class CallState:
             elif len(parts) == 1:
                 out.append(parts[0].clone())
             else:
-                out.append(torch.cat(parts, dim))
+                try:
+                    out.append(torch.cat(parts, dim))
+                except RuntimeError as exc:
+                    shapes = [tuple(p.shape) for p in parts]
+                    raise GatherError(
+                        f"dpool cannot gather output tensor {len(out)}: the shards returned shapes {shapes}, which "
+                        f"differ outside dim {dim} ({exc}). If the model pads packed sequences, pass "
+                        "pad_packed_sequence(..., total_length=max_len) so that every shard pads to the same "
+                        "length (PyTorch's FAQ for DataParallel)."
+                    ) from None
         return out
 
     def grad_pieces(self, grads: Sequence[torch.Tensor | None], s: int) -> list[torch.Tensor | None]:

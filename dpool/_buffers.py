@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .errors import DpoolValueError
 from .shm import tensor_view
 
 __all__ = ["POLICIES", "BufferCommit"]
@@ -34,7 +35,7 @@ class BufferCommit:
     def __init__(self, policy: str, module: nn.Module, buffers: list[torch.Tensor], offsets: list[int],
                  master_views: list[torch.Tensor]) -> None:
         if policy not in POLICIES:
-            raise ValueError(f"buffers={policy!r}: choose one of {', '.join(POLICIES)}")
+            raise DpoolValueError(f"buffers={policy!r}: choose one of {', '.join(POLICIES)}")
         self.policy = policy
         self.buffers = buffers
         self.offsets = offsets

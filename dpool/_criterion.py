@@ -17,6 +17,7 @@ import cloudpickle
 import torch
 
 from . import _gather
+from .errors import DpoolValueError
 
 if TYPE_CHECKING:
     from ._autograd import CallState
@@ -71,7 +72,7 @@ class criterion:
     def __init__(self, loss: torch.nn.Module) -> None:
         reduction = getattr(loss, "reduction", "mean")
         if reduction not in ("mean", "sum"):
-            raise ValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
+            raise DpoolValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
         self.loss = loss
         self.reduction = reduction
         self._bytes = cloudpickle.dumps(loss)

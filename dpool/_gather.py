@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from . import _tree
+from .errors import GatherError
 
 __all__ = ["tensor_groups", "build"]
 
@@ -32,8 +33,8 @@ def _kind(spec: Any) -> str:
     return spec[0] if isinstance(spec, list) else "V"
 
 
-def _mismatch(what: str) -> ValueError:
-    return ValueError(f"dpool cannot gather: replicas returned different structures ({what})")
+def _mismatch(what: str) -> GatherError:
+    return GatherError(f"dpool cannot gather: replicas returned different structures ({what})")
 
 
 def tensor_groups(specs: list[Any], out: list[list[int]] | None = None) -> list[list[int]]:
@@ -103,4 +104,4 @@ def build(specs: list[Any], gathered: Iterator[Any], load: Callable[[Any], Any] 
 
 
 def _no_tensor(i: int) -> Any:
-    raise ValueError("dpool cannot gather a tensor nested inside a non-container value")
+    raise GatherError("dpool cannot gather a tensor nested inside a non-container value")

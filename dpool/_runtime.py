@@ -31,7 +31,10 @@ from ._layout import Layout
 from ._tensors import DTYPES, Placer, dense_strides, dtype_name, meta_nbytes as _meta_bytes, nbytes, read
 from .config import Config
 from .errors import (
+    DpoolValueError,
+    ModelChangedError,
     RemoteError,
+    UnpicklableModelError,
     UnsupportedError,
     WorkerDiedError,
     WorkerStartError,
@@ -60,6 +63,21 @@ class _Pickler(cloudpickle.Pickler):
         if isinstance(obj, torch.Tensor):
             return self._ids.get(id(obj))
         return None
+
+
+def _unpicklable_attribute(module: torch.nn.Module) -> str | None:
+    """``model.sub.attr: type`` of the first attribute of ``module`` (or a submodule) that cannot be pickled."""
+    skip = {"_parameters", "_buffers", "_modules"}
+    for name, m in module.named_modules():
+        for key, value in vars(m).items():
+            if key in skip or isinstance(value, torch.Tensor):
+                continue
+            try:
+                cloudpickle.dumps(value)
+            except Exception:
+                path = "model" + (f".{name}" if name else "") + f".{key}"
+                return f"{path}: {type(value).__module__}.{type(value).__qualname__}"
+    return None
 
 
 def pickle_protocol() -> int:
@@ -118,11 +136,11 @@ class Runtime:
         self.restarts_left = max_restarts
         if shard_weights is not None:
             if len(shard_weights) != self.n or any(not w > 0 for w in shard_weights):
-                raise ValueError(f"shard_weights needs {self.n} positive numbers (one per worker), got {shard_weights!r}")
+                raise DpoolValueError(f"shard_weights needs {self.n} positive numbers (one per worker), got {shard_weights!r}")
             if balance is not None:
-                raise ValueError("give either shard_weights or balance='auto', not both")
+                raise DpoolValueError("give either shard_weights or balance='auto', not both")
         if balance not in (None, "auto"):
-            raise ValueError(f"balance={balance!r}: the only balancing mode is 'auto'")
+            raise DpoolValueError(f"balance={balance!r}: the only balancing mode is 'auto'")
         self._weights = list(map(float, shard_weights)) if shard_weights is not None else None
         self._balance = balance
         self._rates = [[0.0, 0.0] for _ in range(self.n)]  # EMA seconds per row: forward, backward
@@ -133,8 +151,9 @@ class Runtime:
         # One call at a time: calls from several threads (an evaluation thread, a server's handlers)
         # wait for the one in flight, as nn.DataParallel's do; they share segments and the workers.
         self.call_lock = threading.RLock()
+        self._last_rows: list[int] | None = None  # shard sizes of the latest forward (for error hints)
         if attach is not None and max_restarts:
-            raise ValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
+            raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         self.pool = Pool(devices, config, worker_threads, attach=attach)
         try:
             self._start()
@@ -153,7 +172,7 @@ class Runtime:
         self.buffers = [b for _, b in named_buffers]
         for name, t in list(zip(self.param_names, self.params)) + named_buffers:
             if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-                raise ValueError(
+                raise DpoolValueError(
                     f"{name} is an uninitialized (lazy) tensor; run one forward pass on a sample batch "
                     "before dpool.wrap() so that its shape is known"
                 )
@@ -164,10 +183,15 @@ class Runtime:
                     "those gradients, so they would be silently wrong. Register it as an nn.Parameter "
                     "(requires_grad=True) to train it, or .detach() it if it needs no gradient."
                 )
+            if t.device.type == "meta":
+                raise DpoolValueError(
+                    f"{name} is a meta tensor (no data): materialize the module on the CPU before dpool.wrap(), "
+                    "e.g. module.to_empty(device='cpu') and initialize it, or load_state_dict(..., assign=True)"
+                )
             if t.device.type != "cpu":
-                raise ValueError(
+                raise DpoolValueError(
                     f"{name} is on {t.device}, but CPU workers need the master module on the CPU; "
-                    "call module.cpu() before dpool.wrap(), or pass CUDA device_ids"
+                    "call module.cpu() before dpool.wrap()"
                 )
 
     def _start(self) -> None:
@@ -175,9 +199,10 @@ class Runtime:
         # Workers map the parameters through an inherited fd, so the name can go at once
         # (and a respawned worker can still map them).
         self._bind_master(unlink=pool.attach is None)  # attached (daemon) workers map it by name
+        self._pickle_model()  # an unpicklable model fails here, before ~a second of worker start-up
         assert self.master.fd is not None
         pool.start([self.master.fd])
-        self._ship(by_name=pool.attach is not None)
+        self._ship(by_name=pool.attach is not None, pickled=True)
         self._watch()
 
     def _bind_master(self, unlink: bool) -> None:
@@ -208,10 +233,8 @@ class Runtime:
                 b.data = v
         self._ptrs = [p.data_ptr() for p in self.params] + [b.data_ptr() for b in self.buffers]
 
-    def _ship(self, by_name: bool) -> None:
-        """Pickle the master module (tensors by reference) and build every worker's replica from it."""
-        pool, layout = self.pool, self.layout
-        self.states = [pool.new_segment(layout.size, min_size=64) for _ in range(self.n)]
+    def _pickle_model(self) -> None:
+        """Pickle the master module, its tensors by reference; done before any worker is started."""
         ids: dict[int, tuple] = {}
         for i, p in enumerate(self.params):
             ids[id(p)] = ("p", i, p.requires_grad)
@@ -221,8 +244,21 @@ class Runtime:
         try:
             _Pickler(buf, ids).dump(self.module)
         except Exception as exc:
-            raise TypeError(f"dpool could not pickle the model to ship it to the workers: {exc}") from exc
+            where = _unpicklable_attribute(self.module)
+            raise UnpicklableModelError(
+                f"dpool could not pickle the model to ship it to the workers: {exc}"
+                + (f"\nThe culprit is {where}. Delete that attribute before dpool.wrap(), create it lazily "
+                   "(e.g. in forward, or a property), or give its class a __getstate__ that leaves it out."
+                   if where else "")
+            ) from exc
         self._model_bytes = buf.getvalue()
+
+    def _ship(self, by_name: bool, pickled: bool = False) -> None:
+        """Build every worker's replica from the pickled master module (pickled here unless ``pickled``)."""
+        pool, layout = self.pool, self.layout
+        if not pickled:
+            self._pickle_model()
+        self.states = [pool.new_segment(layout.size, min_size=64) for _ in range(self.n)]
         self._init_workers(range(self.n), by_name=by_name)
         self._module_list = list(self.module.modules())
         self._module_ids = {id(m) for m in self._module_list}
@@ -423,7 +459,7 @@ class Runtime:
         names = self.param_names + self.buffer_names
         v = views[i]
         if t.shape != v.shape or t.dtype != v.dtype or t.device.type != "cpu":
-            raise RuntimeError(
+            raise ModelChangedError(
                 f"{names[i]} of the master module changed to {tuple(t.shape)}/{t.dtype}/{t.device} after "
                 f"dpool.wrap() (it was {tuple(v.shape)}/{v.dtype}/cpu). The workers' replicas cannot follow a "
                 "change of shape, dtype or device: close this model and dpool.wrap() the module again."
@@ -441,9 +477,14 @@ class Runtime:
         causes = [(i, r) for i, r in failed if r.qualname != "CollectiveAborted"] or failed
         i, r = causes[0]
         w = self.pool.workers[i]
+        message = r.message
+        if "Expected more than 1 value per channel when training" in message and self._last_rows:
+            message += (f"\n(dpool: the batch was split into shards of {self._last_rows} rows, and BatchNorm cannot "
+                        "train on a one-row shard. Use DataLoader(..., drop_last=True), a batch of at least 2 rows "
+                        "per worker, or fewer workers.)")
         # raised without a local name: a local would tie the exception to this frame's locals (the
         # I/O segments among them) in a cycle that only the GC frees
-        raise remote_error(r.module, r.qualname, r.message, r.traceback, worker=i, device=w.device, pid=w.pid,
+        raise remote_error(r.module, r.qualname, message, r.traceback, worker=i, device=w.device, pid=w.pid,
                            step=self.pool.step, where=f"{where} (shard {i})")
 
     # ------------------------------------------------------------------ forward
@@ -458,6 +499,7 @@ class Runtime:
         tensors: list[torch.Tensor] = []
         spec = _tree.flatten((tuple(args), dict(kwargs)), tensors)
         k, splits = _scatter.plan(tensors, self.n, self.dim, self.shard_weights())
+        self._last_rows = next((sizes for sizes in splits if sizes is not None), None)
         shards = _scatter.shard_views(tensors, splits, k, self.dim)
         grad = torch.is_grad_enabled()
         rg = [grad and t.requires_grad for t in tensors]
@@ -579,7 +621,7 @@ class Runtime:
         msgs: dict[int, P.Message] = {}
         for t in tensors:
             if t.dim() > self.dim and t.size(self.dim) != sum(rows):
-                raise ValueError(f"target has {t.size(self.dim)} rows along dim {self.dim}, the output {sum(rows)}")
+                raise DpoolValueError(f"target has {t.size(self.dim)} rows along dim {self.dim}, the output {sum(rows)}")
         shards = _scatter.shard_views(tensors, [rows if t.dim() > self.dim else None for t in tensors], k, self.dim)
         for s in range(k):
             placer = Placer()

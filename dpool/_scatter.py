@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from ._tensors import check_tensor
+from .errors import DpoolValueError
 
 __all__ = ["even_sizes", "weighted_sizes", "plan"]
 
@@ -64,7 +65,7 @@ def plan(
         return 1, [None] * len(tensors)
     smallest = min(lengths)
     if smallest == 0:
-        raise ValueError(
+        raise DpoolValueError(
             f"dpool cannot scatter an empty batch: an input tensor has size 0 along dim {dim}. "
             "Skip empty batches (e.g. DataLoader(drop_last=True)) or call the module directly."
         )

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .errors import DpoolTypeError
 from .shm import align
 
 __all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer", "to_bytes", "from_bytes", "dense_strides"]
@@ -62,7 +63,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise TypeError(
+        raise DpoolTypeError(
             f"dpool cannot transport tensors of dtype {dtype}; supported dtypes: {', '.join(DTYPES)}"
         ) from None
 
@@ -75,16 +76,16 @@ def check_tensor(t: torch.Tensor, what: str) -> None:
     if type(t) in _PLAIN and t.layout == torch.strided and t.dtype in _NAMES and not (t.is_nested or t.is_meta):
         return  # fast path; quantized dtypes are not in _NAMES
     if t.layout != torch.strided:
-        raise TypeError(f"{what}: dpool only transports dense (strided) tensors, got layout {t.layout}; "
+        raise DpoolTypeError(f"{what}: dpool only transports dense (strided) tensors, got layout {t.layout}; "
                         "call .to_dense() first")
     if t.is_nested:
-        raise TypeError(f"{what}: nested tensors are not supported by dpool; pad them into a dense tensor")
+        raise DpoolTypeError(f"{what}: nested tensors are not supported by dpool; pad them into a dense tensor")
     if t.is_quantized:
-        raise TypeError(f"{what}: quantized tensors are not supported by dpool; dequantize() them first")
+        raise DpoolTypeError(f"{what}: quantized tensors are not supported by dpool; dequantize() them first")
     if t.device.type == "meta":
-        raise TypeError(f"{what}: meta tensors have no data for dpool to transport; materialize them first (e.g. module.to_empty(device=\"cpu\") and initialize)")
+        raise DpoolTypeError(f"{what}: meta tensors have no data for dpool to transport; materialize them first (e.g. module.to_empty(device=\"cpu\") and initialize)")
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise TypeError(f"{what}: tensor subclass {type(t).__name__} is not supported by dpool; "
+        raise DpoolTypeError(f"{what}: tensor subclass {type(t).__name__} is not supported by dpool; "
                         "pass a plain torch.Tensor (e.g. via .as_subclass(torch.Tensor))")
     dtype_name(t.dtype)
 

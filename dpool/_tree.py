@@ -37,6 +37,9 @@ from typing import Any, Callable, Iterator
 
 import cloudpickle
 import torch
+from torch.nn.utils.rnn import PackedSequence
+
+from .errors import DpoolTypeError
 
 __all__ = ["flatten", "unflatten"]
 
@@ -104,6 +107,12 @@ def flatten(obj: Any, tensors: list[torch.Tensor], output: bool = False) -> Any:
     if tp is list:
         return ["L", [flatten(x, tensors, output) for x in obj]]
     if _is_namedtuple(obj):
+        if not output and isinstance(obj, PackedSequence):
+            raise DpoolTypeError(
+                "a PackedSequence cannot be split into shards (its rows are interleaved by time step): pass the "
+                "padded batch and its lengths to the model and pack inside forward, as PyTorch's FAQ says for "
+                "DataParallel (pack_padded_sequence in forward, then pad_packed_sequence(..., total_length=T))"
+            )
         return ["N", _type_bytes(tp), [flatten(x, tensors, output) for x in obj]]
     if isinstance(obj, dict):
         keys = list(obj.keys())

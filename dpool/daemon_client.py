@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from . import protocol as P
+from .errors import PoolNotFoundError
 
 __all__ = ["runtime_dir", "pool_dir", "lock_held", "read_pool", "read_key_file", "locate", "request",
            "POOL_FILES"]
@@ -75,7 +76,7 @@ def read_pool(name: str) -> tuple[dict, bytes]:
     """State and key of a running pool. Raises ``FileNotFoundError`` if none is running."""
     path = pool_dir(name)
     if not lock_held(path):
-        raise FileNotFoundError(f"no dpool-workers pool named {name!r} is running (start one: dpool-workers start --name {name})")
+        raise PoolNotFoundError(f"no dpool-workers pool named {name!r} is running (start one: dpool-workers start --name {name})")
     with open(os.path.join(path, "state.json")) as f:
         state = json.load(f)
     st = os.stat(os.path.join(path, "key"))

@@ -16,7 +16,7 @@ from torch import nn
 from . import protocol as P
 from .config import Config
 from .daemon_client import read_pool, request
-from .errors import PoolBrokenError
+from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError, UnsupportedError
 
 __all__ = ["DataParallel", "wrap", "unwrap", "is_wrapped"]
 
@@ -30,17 +30,20 @@ def _parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
         cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
         return ["cpu"] * cores
     if isinstance(device_ids, (str, int, torch.device)):
-        raise TypeError("device_ids must be a list, e.g. ['cpu', 'cpu'] or [0, 1]")
+        raise DpoolTypeError("device_ids must be a list, e.g. ['cpu', 'cpu'] or [0, 1]")
     devices = []
     for d in device_ids:
         if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
-            raise TypeError(f"device_ids entries must be GPU indices, torch.device or strings, got {d!r}")
-        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+            raise DpoolTypeError(f"device_ids entries must be GPU indices, torch.device or strings, got {d!r}")
+        try:
+            dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+        except RuntimeError as exc:
+            raise DpoolValueError(f"device_ids entry {d!r} is not a device ({exc}); use 'cpu' or GPU indices") from None
         if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"dpool supports 'cpu' and CUDA devices, got {dev}")
+            raise DpoolValueError(f"dpool supports 'cpu' and CUDA devices, got {dev}")
         devices.append("cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}")
     if not devices:
-        raise ValueError("device_ids is empty; give at least one device, e.g. ['cpu', 'cpu']")
+        raise DpoolValueError("device_ids is empty; give at least one device, e.g. ['cpu', 'cpu']")
     return devices
 
 
@@ -137,7 +140,7 @@ class DataParallel(nn.DataParallel):
         nn.Module.__init__(self)
         torch._C._log_api_usage_once("dpool.DataParallel")
         if not isinstance(module, nn.Module):
-            raise TypeError(f"dpool.wrap expects an nn.Module, got {type(module).__name__}")
+            raise DpoolTypeError(f"dpool.wrap expects an nn.Module, got {type(module).__name__}")
         self._wrap_args: tuple | None = None  # set by wrap(), which compares it
         old = _bound_model(module)
         if old is not None:
@@ -155,18 +158,18 @@ class DataParallel(nn.DataParallel):
                 state, _ = read_pool(pool)
                 devices = list(state["devices"])
             if device_ids is not None and _parse_devices(device_ids) != devices:
-                raise ValueError(f"device_ids {list(device_ids)} differ from pool {pool!r}'s devices {devices}")
+                raise DpoolValueError(f"device_ids {list(device_ids)} differ from pool {pool!r}'s devices {devices}")
         else:
             devices = _parse_devices(device_ids)
         if any(d != "cpu" for d in devices):
-            raise NotImplementedError(
+            raise UnsupportedError(
                 f"device_ids {devices}: CUDA workers are not implemented yet in this dpool version; "
                 "use 'cpu' entries, or torch.nn.DataParallel / DistributedDataParallel on GPUs"
             )
         if output_device is not None and output_device != -1 and torch.device(output_device).type != "cpu":
-            raise ValueError(f"output_device={output_device!r}: CPU workers gather onto the CPU")
+            raise DpoolValueError(f"output_device={output_device!r}: CPU workers gather onto the CPU")
         if not isinstance(dim, int) or dim < 0:
-            raise ValueError(f"dim must be a non-negative int, got {dim!r}")
+            raise DpoolValueError(f"dim must be a non-negative int, got {dim!r}")
         self.module = module
         self.device_ids = devices
         self.output_device = torch.device("cpu")
@@ -181,7 +184,7 @@ class DataParallel(nn.DataParallel):
         self._close_lock = threading.Lock()
         self._owner_thread = threading.get_ident()
         if not isinstance(max_restarts, int) or max_restarts < 0:
-            raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
+            raise DpoolValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
         self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
                                 gather, pool)
         _BOUND[module] = weakref.ref(self)

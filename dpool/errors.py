@@ -13,10 +13,21 @@ Hierarchy::
     ├── PoolBrokenError        the pool is unusable after an earlier failure
     │   └── ForkedChildError   a forked child called a model whose pool belongs to its parent
     ├── DaemonLostError        the dpool-workers daemon of an attached pool is gone
-    ├── UnsupportedError       a use dpool cannot run exactly (raised instead of a wrong result)
+    ├── UnsupportedError       a use dpool cannot run exactly (raised instead of a wrong result);
+    │                          also a NotImplementedError
+    ├── PoolNotFoundError      no dpool-workers pool of that name runs; also a FileNotFoundError
+    ├── UnpicklableModelError  the model cannot be shipped to the workers; also a TypeError
+    ├── ModelChangedError      the master changed in a way the replicas cannot follow; also a RuntimeError
+    ├── GatherError            replicas returned outputs that cannot be gathered; also a RuntimeError
+    ├── DpoolValueError        a bad argument or input value; also a ValueError
+    ├── DpoolTypeError         an argument or input of a type dpool cannot take; also a TypeError
     ├── ProtocolError          a malformed, oversized or foreign message
     │   └── AuthError          a message failed authentication
     └── SharedMemoryError      shared memory could not be allocated
+
+Every error of dpool's own is a :class:`DpoolError` and, where Python has a builtin
+type for the same failure, also an instance of that type: ``except ValueError`` and
+``except dpool.DpoolError`` both work, as for remote errors.
 """
 from __future__ import annotations
 
@@ -32,6 +43,12 @@ __all__ = [
     "ForkedChildError",
     "DaemonLostError",
     "UnsupportedError",
+    "PoolNotFoundError",
+    "UnpicklableModelError",
+    "ModelChangedError",
+    "GatherError",
+    "DpoolValueError",
+    "DpoolTypeError",
     "ProtocolError",
     "AuthError",
     "SharedMemoryError",
@@ -142,12 +159,36 @@ class ForkedChildError(PoolBrokenError, RuntimeError):
     """
 
 
-class UnsupportedError(DpoolError, RuntimeError):
+class UnsupportedError(DpoolError, NotImplementedError):
     """Something dpool cannot compute exactly, such as higher-order gradients through the workers.
 
     Raised where the use is detected (at ``wrap()``, or at the ``backward``/``grad`` call), so that
     training never goes on with a silently wrong number.
     """
+
+
+class PoolNotFoundError(DpoolError, FileNotFoundError):
+    """No ``dpool-workers`` pool of that name is running (``pool=`` or ``DPOOL_POOL``)."""
+
+
+class UnpicklableModelError(DpoolError, TypeError):
+    """The model cannot be pickled to ship it to the workers; raised before any worker starts."""
+
+
+class ModelChangedError(DpoolError, RuntimeError):
+    """The master changed after ``wrap()`` in a way the replicas cannot follow (close and wrap again)."""
+
+
+class GatherError(DpoolError, RuntimeError):
+    """The replicas returned outputs that cannot be gathered into one (different structures or shapes)."""
+
+
+class DpoolValueError(DpoolError, ValueError):
+    """A bad argument or input value (device placement, an empty batch, an unknown option value)."""
+
+
+class DpoolTypeError(DpoolError, TypeError):
+    """An argument or input of a type dpool cannot take (a tensor kind it cannot transport)."""
 
 
 class ProtocolError(DpoolError):

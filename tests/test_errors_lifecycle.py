@@ -157,8 +157,47 @@ def test_unpicklable_model_fails_clearly():
             self.lin = nn.Linear(2, 2)
             self.lock = __import__("threading").Lock()
 
-    with pytest.raises(TypeError, match="could not pickle the model"):
+    with pytest.raises(TypeError, match="could not pickle the model") as info:
         dpool.wrap(Bad(), ["cpu"])
+    assert isinstance(info.value, dpool.UnpicklableModelError)
+    # checked before any worker is spawned, and the attribute that failed is named
+    assert "model.lock: _thread.lock" in str(info.value) and "__getstate__" in str(info.value)
+    assert psutil.Process().children() == []
+
+
+def _error_cases(tmp_path):
+    class TwoShapes(nn.Module):  # replicas return differently structured outputs
+        def forward(self, x):
+            return x if x.shape[0] > 3 else (x, x)
+
+    def gather_mismatch():
+        with dpool.wrap(TwoShapes(), ["cpu", "cpu"]) as m:
+            m(torch.randn(7, 2))
+
+    def dtype_change():
+        net = nn.Linear(2, 2)
+        with dpool.wrap(net, ["cpu"]) as m:
+            net.weight.data = net.weight.data.double()
+            m(torch.randn(2, 2))
+
+    return {
+        "unknown pool": (lambda: dpool.wrap(nn.Linear(2, 2), pool="no-such-pool-here"),
+                         dpool.PoolNotFoundError, FileNotFoundError),
+        "bad device": (lambda: dpool.wrap(nn.Linear(2, 2), ["tpu"]), dpool.DpoolValueError, ValueError),
+        "gpu ids": (lambda: dpool.wrap(nn.Linear(2, 2), [0, 1]), dpool.UnsupportedError, NotImplementedError),
+        "gather mismatch": (gather_mismatch, dpool.GatherError, RuntimeError),
+        "dtype change": (dtype_change, dpool.ModelChangedError, RuntimeError),
+        "device_ids type": (lambda: dpool.wrap(nn.Linear(2, 2), "cpu"), dpool.DpoolTypeError, TypeError),
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown pool", "bad device", "gpu ids", "gather mismatch", "dtype change",
+                                  "device_ids type"])
+def test_every_error_is_a_dpool_error_and_its_builtin_type(case, tmp_path):
+    fn, dpool_type, builtin = _error_cases(tmp_path)[case]
+    with pytest.raises(dpool.DpoolError) as info:
+        fn()
+    assert isinstance(info.value, dpool_type) and isinstance(info.value, builtin), type(info.value).__mro__
 
 
 def test_worker_side_unpickle_failure_names_stage():
@@ -174,3 +213,44 @@ def test_worker_side_unpickle_failure_names_stage():
     with pytest.raises(dpool.WorkerStartError, match="unpickling the model.*cannot rebuild here"):
         dpool.wrap(Exploding(), ["cpu", "cpu"])
     assert time.monotonic() - t0 < 60
+
+
+class _Packed(nn.Module):
+    def __init__(self, total_length=None):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, batch_first=True)
+        self.total_length = total_length
+
+    def forward(self, x, lengths):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        return pad_packed_sequence(out, batch_first=True, total_length=self.total_length)[0]
+
+
+def test_packed_sequences_get_the_faq_advice(wrap):
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    x, lengths = torch.randn(4, 6, 3), torch.tensor([6, 5, 2, 2])
+    model = wrap(_Packed())
+    with pytest.raises(TypeError, match="PackedSequence cannot be split.*pack inside forward") as info:
+        model(pack_padded_sequence(x, lengths, batch_first=True))
+    assert isinstance(info.value, dpool.DpoolError)
+    with pytest.raises(dpool.GatherError, match=r"shapes \[\(2, 6, 4\), \(2, 2, 4\)\].*total_length"):
+        model(x, lengths)  # shards pad to their own longest sequence
+    fixed = wrap(_Packed(total_length=6))
+    assert fixed(x, lengths).shape == (4, 6, 4)
+
+
+def test_batchnorm_on_a_one_row_shard_names_the_shards_and_the_fix(wrap):
+    model = wrap(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), ["cpu", "cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"shards of \[2, 1, 1\] rows.*drop_last=True.*fewer workers"):
+        model(torch.randn(4, 3))
+
+
+def test_meta_parameters_get_advice_without_cuda():
+    net = nn.Linear(2, 2, device="meta")
+    with pytest.raises(dpool.DpoolValueError, match="meta tensor.*to_empty") as info:
+        dpool.wrap(net, ["cpu"])
+    assert "CUDA" not in str(info.value) and "cuda" not in str(info.value)
