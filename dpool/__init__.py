@@ -30,7 +30,7 @@ from .errors import (
     WorkerTimeoutError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # keep equal to pyproject.toml (a test checks)
 
 __all__ = [
     "wrap",

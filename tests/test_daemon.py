@@ -408,3 +408,32 @@ def _daemon_killed_mid_step(name: str) -> None:
         model(torch.randn(4, 4)).sum().backward()
     assert cli("stop", "--name", name).returncode == 0
     assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10)
+
+
+def test_list_version_and_status_without_name(tmp_path):
+    """Anchors: docker ps, systemctl. A private runtime dir makes this pool the only one."""
+    import tomllib
+
+    env = dict(os.environ, PYTHONPATH=ROOT, XDG_RUNTIME_DIR=str(tmp_path))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=ROOT)
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        version = tomllib.load(f)["project"]["version"]
+    assert dpool.__version__ == version
+    assert run("--version").stdout.strip() == f"dpool-workers {version}"
+    assert run("status").returncode == 3 and json.loads(run("list", "--json").stdout) == []
+    assert run("start", "--name", "solo", "--device-ids", "cpu").returncode == 0
+    try:
+        pools = json.loads(run("list", "--json").stdout)
+        assert [(p["name"], p["devices"], p["state"], p["client_pid"]) for p in pools] == [("solo", ["cpu"], "idle",
+                                                                                               None)]
+        assert pools[0]["uptime_s"] >= 0 and "solo" in run("list").stdout
+        res = run("status", "--json")  # no --name: the one running pool
+        assert res.returncode == 0 and json.loads(res.stdout)["name"] == "solo"
+        pid = json.loads(res.stdout)["pid"]
+    finally:
+        assert run("stop").returncode == 0  # no --name either
+    assert wait_for(lambda: not psutil.pid_exists(pid), timeout=10)

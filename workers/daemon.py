@@ -3,8 +3,10 @@
 ::
 
     dpool-workers start  [--name NAME] [--device-ids cpu,cpu] [--threads N] [--foreground] [--listen [HOST:]PORT]
-    dpool-workers status [--name NAME] [--json]
-    dpool-workers stop   [--name NAME] [--timeout S]
+    dpool-workers list   [--json]
+    dpool-workers status [--name NAME] [--json]          (no --name: the one running pool)
+    dpool-workers stop   [--name NAME] [--timeout S]     (no --name: the one running pool)
+    dpool-workers --version
 
 Exit codes: 0 success; 1 error (e.g. start failed, daemon unresponsive); 2 usage error;
 3 no pool of that name is running (status, stop); 4 a pool of that name is already running (start).
@@ -438,6 +440,58 @@ def _state_pid(path: str) -> int:
         return -1
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dpool")
+    except PackageNotFoundError:  # a source checkout used without installing it
+        import dpool
+
+        return dpool.__version__
+
+
+def running_pools() -> list[str]:
+    """Names of this user's pools whose daemon is alive (holds the pool's lock)."""
+    from dpool.daemon_client import runtime_dir
+
+    base = os.path.join(runtime_dir(), "pools")
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return []
+    return [n for n in names if lock_held(os.path.join(base, n))]
+
+
+def cmd_list(a: argparse.Namespace) -> int:
+    from dpool import protocol as P
+
+    rows = []
+    for name in running_pools():
+        row: dict[str, Any] = {"name": name, "devices": [], "state": "unresponsive", "client_pid": None,
+                               "uptime_s": None, "pid": None}
+        try:
+            state, _ = read_pool(name)
+            row["devices"], row["pid"] = state["devices"], state["pid"]
+            row["uptime_s"] = round(time.time() - state["started"], 1)
+            info = request(name, P.StatusRequest(), timeout=2.0).info
+            states = {w["state"] for w in info["workers"]}
+            row["client_pid"] = info["client_pid"]
+            row["state"] = ("attached" if info["client_pid"] is not None
+                            else "idle" if states == {"idle"} else ",".join(sorted(states)))
+        except (OSError, ValueError, TimeoutError):
+            pass  # starting (no state file yet) or not answering: shown as unresponsive
+        rows.append(row)
+    if a.json:
+        print(json.dumps(rows))
+        return EXIT_OK
+    print(f"{'name':<16} {'devices':<24} {'state':<12} {'client':>8} {'uptime s':>9}")
+    for r in rows:
+        print(f"{r['name']:<16} {','.join(r['devices']):<24} {r['state']:<12} {str(r['client_pid'] or '-'):>8} "
+              f"{r['uptime_s'] if r['uptime_s'] is not None else '-':>9}")
+    return EXIT_OK
+
+
 def cmd_status(a: argparse.Namespace) -> int:
     from dpool import protocol as P
 
@@ -513,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dpool-workers", description="Warm dpool worker pools that training "
                                  "scripts attach to with dpool.wrap(net, pool=NAME) or DPOOL_POOL=NAME.",
                                  epilog="exit codes: 0 ok, 1 error, 2 usage, 3 not running, 4 already running")
+    ap.add_argument("--version", action="version", version=f"dpool-workers {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="start a pool and wait until every worker is ready")
     s.add_argument("--name", default="default")
@@ -525,16 +580,26 @@ def main(argv: list[str] | None = None) -> int:
                         "DPOOL_KEY_FILE. Off by default: without it no TCP socket is opened")
     s.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the workers")
     s.set_defaults(func=cmd_start)
+    ls = sub.add_parser("list", help="every running pool of this user: name, devices, state, client, uptime")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_list)
     st = sub.add_parser("status", help="show the workers, the attached client and the steps served")
-    st.add_argument("--name", default="default")
+    st.add_argument("--name", default=None, help="default: the one running pool")
     st.add_argument("--json", action="store_true")
     st.add_argument("--timeout", type=float, default=5.0)
     st.set_defaults(func=cmd_status)
     sp = sub.add_parser("stop", help="stop a pool (graceful, then SIGTERM, then SIGKILL)")
-    sp.add_argument("--name", default="default")
+    sp.add_argument("--name", default=None, help="default: the one running pool")
     sp.add_argument("--timeout", type=float, default=10.0)
     sp.set_defaults(func=cmd_stop)
     a = ap.parse_args(argv)
+    if getattr(a, "name", "") is None:  # status / stop without --name: the one running pool, if just one runs
+        names = running_pools()
+        if len(names) != 1:
+            print("dpool-workers: " + (f"{len(names)} pools are running ({', '.join(names)}); name one with --name"
+                                       if names else "no pool is running"), file=sys.stderr)
+            return EXIT_USAGE if names else EXIT_NOT_RUNNING
+        a.name = names[0]
     try:
         return a.func(a)
     except (ValueError, PermissionError) as exc:
