@@ -30,6 +30,24 @@ from .errors import (
     WorkerTimeoutError,
 )
 
+def _configure_logging() -> None:
+    """``DPOOL_DEBUG=1`` or ``DPOOL_LOG_LEVEL=<level>``: show the "dpool" logger's records on stderr."""
+    import logging
+    import os
+
+    level = os.environ.get("DPOOL_LOG_LEVEL") or ("DEBUG" if os.environ.get("DPOOL_DEBUG") not in (None, "", "0")
+                                                  else None)
+    if level:
+        logger = logging.getLogger("dpool")
+        logger.setLevel(level.upper())
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s dpool %(levelname)s: %(message)s"))
+            logger.addHandler(handler)
+
+
+_configure_logging()
+
 __version__ = "0.2.0"  # keep equal to pyproject.toml (a test checks)
 
 __all__ = [

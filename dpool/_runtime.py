@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 import sys
 import threading
 import warnings
@@ -45,6 +46,8 @@ from .pool import Pool
 from .shm import Segment, check_free, standalone_view, sweep
 
 __all__ = ["Runtime"]
+
+log = logging.getLogger("dpool")
 
 _MIN_IO = 1 << 20
 _SEED_RANGE = 1 << 62
@@ -95,6 +98,46 @@ def _one_call_at_a_time(method: F) -> F:
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
+
+
+def per_shard_tensors(per_shard: list[list[Any]]) -> list[torch.Tensor]:
+    return [g for ms in per_shard for g in ms if isinstance(g, torch.Tensor)]
+
+
+class _Stats:
+    """What ``DataParallel.stats()`` reports: per-worker step times, shard sizes, restarts, bytes moved."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.steps = 0
+        self.restarts = 0
+        self.rows: list[int] = []
+        self.forward_ms = [0.0] * n
+        self.backward_ms = [0.0] * n
+        self.bytes = {"inputs": 0, "outputs": 0, "output_grads": 0, "param_grads": 0}
+
+    def forward(self, rows: list[int], busy: list[float], inputs: int, outputs: int) -> None:
+        self.steps += 1
+        self.rows = list(rows)
+        for s, b in enumerate(busy):
+            self.forward_ms[s] = b * 1e3
+        self.bytes["inputs"], self.bytes["outputs"] = inputs, outputs
+
+    def backward(self, busy: list[float], output_grads: int, param_grads: int) -> None:
+        for s, b in enumerate(busy):
+            self.backward_ms[s] = b * 1e3
+        self.bytes["output_grads"], self.bytes["param_grads"] = output_grads, param_grads
+
+    def snapshot(self, pids: list[int], devices: list[str]) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "restarts": self.restarts,
+            "shard_rows": list(self.rows),
+            "workers": [{"index": i, "device": devices[i], "pid": pids[i],
+                         "forward_ms": round(self.forward_ms[i], 3), "backward_ms": round(self.backward_ms[i], 3)}
+                        for i in range(self.n)],
+            "bytes_per_step": dict(self.bytes),
+        }
 
 
 class _IO:
@@ -152,6 +195,7 @@ class Runtime:
         # wait for the one in flight, as nn.DataParallel's do; they share segments and the workers.
         self.call_lock = threading.RLock()
         self._last_rows: list[int] | None = None  # shard sizes of the latest forward (for error hints)
+        self._stats = _Stats(self.n)
         if attach is not None and max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         self.pool = Pool(devices, config, worker_threads, attach=attach)
@@ -298,6 +342,7 @@ class Runtime:
                 and [id(m) for m in self.module.modules()] == [id(m) for m in self._module_list])
         if same:
             return
+        log.info("the model changed after wrap(): re-syncing the replicas")
         pool = self.pool
         old_master = self.master
         with torch.no_grad():  # what we bound so far gets private memory: the old segment goes
@@ -362,6 +407,9 @@ class Runtime:
             dead = getattr(exc, "workers", None) or [exc.worker]
             if self.restarts_left >= len(dead):
                 self.restarts_left -= len(dead)
+                self._stats.restarts += len(dead)
+                log.warning("%s; restarting worker(s) %s (%d restart(s) left)", str(exc).split("\n", 1)[0], dead,
+                            self.restarts_left)
                 try:
                     self._restart(dead)
                 except BaseException as again:
@@ -592,6 +640,11 @@ class Runtime:
             gathered = state.gather()
         state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
         rows = next((sizes for sizes in splits if sizes is not None), [1] * k)
+        self._stats.forward(rows, [replies[s].busy for s in range(k)], sum(nbytes(t) for sh in shards for t in sh),
+                            sum(_meta_bytes(m) for ms in metas for m in ms))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: forward of %d shards (rows %s), workers busy %s ms", pool.step, k, rows,
+                      [round(replies[s].busy * 1e3, 2) for s in range(k)])
         if self._balance:
             for s in range(k):
                 self._observe(s, 0, replies[s].busy, rows[s])
@@ -758,6 +811,9 @@ class Runtime:
             self._raise_failures(fetched, "backward")
             for s, r in fetched.items():
                 replies[s].sparse = r.sparse
+        self._stats.backward([replies[s].busy for s in range(k)],
+                             sum(g.numel() * g.element_size() for g in per_shard_tensors(per_shard)),
+                             sum(end - start for _, start, end, _ in self.layout.param_groups) * k)
         if self._balance and rows is not None:
             for s in range(k):
                 self._observe(s, 1, replies[s].busy, rows[s])

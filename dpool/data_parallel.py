@@ -248,6 +248,21 @@ class DataParallel(nn.DataParallel):
             raise PoolBrokenError("this dpool model is closed")
         return rt.call_workers(fn)
 
+    def stats(self) -> dict[str, Any]:
+        """Timings and traffic of the latest step, per worker.
+
+        Returns:
+            dict: ``steps`` (forwards so far), ``restarts`` (workers respawned), ``shard_rows``
+            (rows per shard of the latest forward), ``workers`` (per worker: ``index``, ``device``,
+            ``pid``, ``forward_ms`` and ``backward_ms``, the time its handler took in the latest
+            forward and backward) and ``bytes_per_step`` (``inputs``, ``outputs``, ``output_grads``
+            and ``param_grads`` moved through shared memory in the latest step).
+        """
+        rt = self._runtime
+        if rt is None:
+            raise PoolBrokenError("this dpool model is closed")
+        return rt._stats.snapshot([w.pid for w in rt.pool.workers], self.device_ids)
+
     @property
     def pids(self) -> list[int]:
         """Process ids of the workers, in device order."""

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import logging
 import os
 import re
 import secrets
@@ -94,6 +95,8 @@ from .daemon_client import locate, read_pool, request, runtime_dir
 from .shm import Segment, segment_prefix
 
 __all__ = ["Pool", "runtime_dir", "worker_command", "worker_env"]
+
+log = logging.getLogger("dpool")
 
 _STDERR_TAIL = 40
 
@@ -294,8 +297,11 @@ class Pool:
             else:
                 for w in self.workers:
                     self._spawn(w)
+            t0 = time.monotonic()
             self._await_hello({w.index for w in self.workers})
             self.control.unlink()
+            log.info("%s %d worker(s) on %s (pids %s) in %.2f s", "attached" if self.attach else "started",
+                     len(self.workers), self.devices, [w.pid for w in self.workers], time.monotonic() - t0)
         except BaseException:
             self.close()
             raise
@@ -785,6 +791,8 @@ class Pool:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() == self.owner_pid:
+            log.info("closing the pool of %d worker(s)", len(self.workers))
         if os.getpid() != self.owner_pid:
             # A forked child's copy: the workers, the socket file and the segments are the parent's, and a
             # ZeroMQ context must not be used after fork. Drop it without touching any of them.

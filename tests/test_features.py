@@ -288,3 +288,26 @@ def test_loss_on_the_workers_equals_full_batch(wrap, loss_fn):
     ref(x).sum().backward()
     for p, rp in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, rp.grad)
+
+
+def test_stats_report_timings_shards_restarts_and_bytes(wrap):
+    model = wrap(nn.Linear(4, 2), ["cpu", "cpu"])
+    for _ in range(3):
+        model(torch.randn(7, 4)).sum().backward()
+    st = model.stats()
+    assert st["steps"] == 3 and st["restarts"] == 0 and st["shard_rows"] == [4, 3]
+    assert [w["pid"] for w in st["workers"]] == model.pids
+    assert all(w["forward_ms"] > 0 and w["backward_ms"] > 0 for w in st["workers"])
+    assert st["bytes_per_step"] == {"inputs": 7 * 4 * 4, "outputs": 7 * 2 * 4, "output_grads": 7 * 2 * 4,
+                                    "param_grads": (8 + 2) * 4 * 2}  # each worker's slot: weight and bias
+
+
+def test_logging_goes_to_the_dpool_logger(wrap, caplog):
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="dpool"):
+        model = wrap(nn.Linear(4, 2), ["cpu", "cpu"])
+        model(torch.randn(4, 4))
+        model.close()
+    text = caplog.text
+    assert "started 2 worker(s)" in text and "step 1: forward of 2 shards" in text and "closing the pool" in text
