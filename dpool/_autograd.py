@@ -15,6 +15,8 @@ The coordinator detects that before each request and piggybacks a ``release``.
 """
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -33,6 +35,17 @@ _SCALAR_WARNING = (
     "Was asked to gather along dimension 0, but all input tensors were scalars; "
     "will instead unsqueeze and return a vector."
 )
+
+
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the user's line (outside dpool and torch)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class CallState:
@@ -72,7 +85,7 @@ class CallState:
             parts = [read(self.outs[s].views, self.metas[s][g[s]]) for s in range(self.k)]
             if stacked:
                 if dim == 0 and not warned:
-                    warnings.warn(_SCALAR_WARNING)
+                    warnings.warn(_SCALAR_WARNING, stacklevel=_user_stacklevel())
                     warned = True
                 out.append(torch.stack(parts))
             elif len(parts) == 1:

@@ -272,7 +272,7 @@ class Pool:
         self._pass_fds: list[int] = []
         # Runs at GC of an unreferenced pool and at interpreter exit; holds no reference to self.
         self._finalizer = weakref.finalize(self, _reap, self.owner_pid, self.workers, self._segments,
-                                          self.sock_path)
+                                          self.sock_path, self._sock, self._ctx)
         try:
             self._sock.bind(self.endpoint)
             os.chmod(self.sock_path, 0o600)
@@ -859,7 +859,8 @@ def _kill_and_join(w: _Worker) -> None:
     w.alive = False
 
 
-def _reap(owner: int, workers: list[_Worker], segments: list[Segment], sock_path: str) -> None:  # pragma: no cover
+def _reap(owner: int, workers: list[_Worker], segments: list[Segment], sock_path: str, sock: Any,
+          ctx: Any) -> None:  # pragma: no cover
     """GC / interpreter-exit cleanup of a pool nobody closed."""
     if os.getpid() != owner:
         return  # a forked child's exit: the workers, segments and socket belong to the parent
@@ -870,6 +871,9 @@ def _reap(owner: int, workers: list[_Worker], segments: list[Segment], sock_path
         seg.unlink()
     for w in workers:
         _kill_and_join(w)
+    if not sock.closed:  # no ResourceWarning for a pool nobody closed
+        sock.close(linger=0)
+        ctx.term()
 
 
 def _unlink_socket(path: str) -> None:

@@ -254,3 +254,40 @@ def test_meta_parameters_get_advice_without_cuda():
     with pytest.raises(dpool.DpoolValueError, match="meta tensor.*to_empty") as info:
         dpool.wrap(net, ["cpu"])
     assert "CUDA" not in str(info.value) and "cuda" not in str(info.value)
+
+
+def test_forgetting_close_leaves_no_resource_warning():
+    code = """
+    import torch, dpool
+    m = dpool.wrap(torch.nn.Linear(2, 2), ["cpu", "cpu"])
+    m(torch.randn(4, 2)).sum().backward()
+    print("DONE")
+    """
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.helpers import ROOT
+
+    res = subprocess.run([sys.executable, "-X", "dev", "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=90, cwd=ROOT, env=dict(__import__("os").environ, PYTHONPATH=ROOT))
+    assert res.returncode == 0 and "DONE" in res.stdout, res.stderr[-2000:]
+    assert "ResourceWarning" not in res.stderr, res.stderr[-2000:]
+
+
+class _Scalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(2, 1)
+
+    def forward(self, x):
+        return self.l(x).sum()
+
+
+def test_scalar_gather_warning_points_at_the_users_line(wrap):
+    import inspect
+
+    model = wrap(_Scalar())
+    with pytest.warns(UserWarning, match="all input tensors were scalars") as record:
+        model(torch.randn(4, 2, requires_grad=True)); line = inspect.currentframe().f_lineno  # noqa: E702
+    assert [(w.filename, w.lineno) for w in record] == [(__file__, line)]
