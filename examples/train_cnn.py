@@ -13,6 +13,8 @@ loss, the held-out accuracy and the training throughput in samples/s.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import psutil
@@ -22,6 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 import dpool
+from dpool.pool import WORKER_MALLOC_KEEP
 
 
 class CNN(nn.Module):
@@ -55,7 +58,18 @@ def main() -> None:
     ap.add_argument("--train-size", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="run single/dataparallel with glibc's malloc defaults instead of dpool's worker setting")
     args = ap.parse_args()
+    # dpool's workers keep their heap between steps (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, see the
+    # README); glibc reads them at start-up, so a baseline gets the same setting by starting again with it.
+    # Otherwise --workers 1 would look 2.6x faster than --mode single for that reason alone.
+    keep = str(WORKER_MALLOC_KEEP)
+    if args.mode != "dpool" and not args.default_malloc and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=keep, MALLOC_TRIM_THRESHOLD_=keep)
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    heap = ("dpool's worker heap setting" if os.environ.get("MALLOC_MMAP_THRESHOLD_") == keep or args.mode == "dpool"
+            else "glibc's malloc defaults")
 
     torch.manual_seed(0)
     x_train, y_train = synthetic(args.train_size, seed=1)
@@ -94,6 +108,8 @@ def main() -> None:
         if isinstance(model, dpool.DataParallel):
             model.close()
     print(f"throughput: {samples / train_time:.0f} samples/s ({args.mode})")
+    print(f"(memory allocator: {heap}; the three modes use the same one unless --default-malloc is given, "
+          "so compare them as they are)")
 
 
 if __name__ == "__main__":

@@ -87,3 +87,28 @@ def test_floor_trains_like_one_process():
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     finally:
         model.close()
+
+
+def test_smoke_results_are_not_tracked_and_negative_framework_cost_is_not_printed():
+    """--smoke writes benchmarks/results/smoke.* by default: an ignored path, so a test run rewrites no
+    tracked file. A dpool step faster than `ideal` has no framework cost to print as a negative number."""
+    tracked = subprocess.run(["git", "ls-files", "benchmarks/results"], capture_output=True, text=True, cwd=ROOT)
+    assert tracked.returncode == 0 and not [f for f in tracked.stdout.split() if "smoke" in f]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "benchmarks/results/smoke.json"], cwd=ROOT)
+    assert ignored.returncode == 0
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench import table
+
+    row = {"global_batch": 8, "setups": {s: {"samples_per_s": 1.0, "ms_per_step": ms, "ms_per_step_min": ms,
+                                             "ms_per_step_max": ms} for s, ms in (("dpool", 1.0), ("ideal", 1.5))},
+           "ratios": {"dpool/ideal": 1.5}, "framework_ms_per_step": -0.5}
+    text = table({"workloads": {"probe": row}, "workers": 2, "repeats": 1, "steps": 1,
+                  "machine": {"cores_physical": 2, "python": "3", "torch": "2", "platform": "x"}})
+    assert "framework -" not in text and "framework < 0" in text
+
+
+def test_train_cnn_baseline_gets_the_same_allocator_setting():
+    res = _run(["examples/train_cnn.py", "--mode", "single", "--epochs", "1", "--train-size", "128",
+                "--batch-size", "64"])
+    assert res.returncode == 0, res.stderr
+    assert "memory allocator: dpool's worker heap setting" in res.stdout
