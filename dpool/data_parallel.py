@@ -193,6 +193,10 @@ class DataParallel(nn.DataParallel):
         else:
             self._saved_threads = None
 
+    # Not traceable on purpose: a step talks to other processes. torch.compile(dpool.wrap(net)) runs this
+    # eagerly instead of breaking the graph (and warning) at every socket and file call; compile the
+    # module inside (dpool.wrap(torch.compile(net))) to compile the replicas' work.
+    @torch.compiler.disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         rt = self._runtime
         if rt is None:

@@ -311,3 +311,20 @@ def test_logging_goes_to_the_dpool_logger(wrap, caplog):
         model.close()
     text = caplog.text
     assert "started 2 worker(s)" in text and "step 1: forward of 2 shards" in text and "closing the pool" in text
+
+
+def test_torch_compile_outside_and_inside(wrap, recwarn):
+    """torch.compile(dpool.wrap(net)) runs dpool's dispatch eagerly without Dynamo graph-break warnings;
+    dpool.wrap(torch.compile(net)) compiles the replicas' work. Both give the reference outputs and grads.
+    (backend="eager": Dynamo's tracing without a C++ compiler.)"""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    ref = copy.deepcopy(net)
+    x = torch.randn(6, 4)
+    compiled = torch.compile(wrap(net), backend="eager")
+    compiled(x).sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(net.weight.grad, ref.weight.grad)
+    assert not [w for w in recwarn if "Dynamo" in str(w.message) or "graph break" in str(w.message).lower()]
+    inner = wrap(torch.compile(copy.deepcopy(ref), backend="eager"))
+    torch.testing.assert_close(inner(x), ref(x))
