@@ -437,3 +437,25 @@ def test_list_version_and_status_without_name(tmp_path):
     finally:
         assert run("stop").returncode == 0  # no --name either
     assert wait_for(lambda: not psutil.pid_exists(pid), timeout=10)
+
+
+def test_steps_served_is_live_and_the_log_is_timestamped(pool_name):
+    import re
+
+    from dpool.daemon_client import pool_dir
+
+    before = status(pool_name)["steps_served"]
+    with dpool.wrap(torch.nn.Linear(4, 4), pool=pool_name) as model:
+        for _ in range(3):
+            model(torch.randn(4, 4)).sum().backward()
+        info = status(pool_name)  # while the client is still attached
+        assert info["client_pid"] == os.getpid() and info["steps_served"] == before + 3
+        print("from the replica", flush=True)
+    assert wait_for(lambda: status(pool_name)["client_pid"] is None, timeout=10)
+    with open(os.path.join(pool_dir(pool_name), "daemon.log")) as f:
+        lines = [l for l in f.read().splitlines() if l.strip()]
+    stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+    assert lines and all(stamp.match(l) for l in lines), [l for l in lines if not stamp.match(l)][:5]
+    text = "\n".join(lines)
+    assert "starting 2 worker(s)" in text and "ready: 2 worker(s)" in text
+    assert f"client {os.getpid()} attached" in text and f"client {os.getpid()} detached" in text

@@ -40,7 +40,10 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import logging
+import mmap
 import os
+import threading
 import secrets
 import signal
 import subprocess
@@ -54,6 +57,24 @@ from dpool.pool import worker_command
 __all__ = ["main", "parse_listen"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_ALREADY_RUNNING = 0, 1, 2, 3, 4
+
+log = logging.getLogger("dpool.daemon")
+
+
+def _log_to_stderr() -> None:
+    """Every line the daemon writes (its own and its workers' output) carries a timestamp."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def _pump(stream: Any, label: str) -> None:
+    """Copy a worker's output to the daemon's log, line by line, with timestamps."""
+    for raw in iter(stream.readline, b""):
+        log.info("[%s] %s", label, raw.decode(errors="replace").rstrip("\n"))
+    stream.close()
 
 
 def parse_listen(text: str) -> str:
@@ -90,6 +111,7 @@ class Daemon:
         from dpool.config import Config
         from dpool.shm import sweep
 
+        _log_to_stderr()
         self.name, self.devices, self.threads = name, devices, threads
         self.dir = pool_dir(name, create=True)
         self.lock_fd = os.open(os.path.join(self.dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -124,10 +146,10 @@ class Daemon:
                     self.sock.setsockopt(zmq.IPV6, 1)
                 self.sock.bind(listen)
             except zmq.ZMQError as exc:
-                print(f"cannot listen on {listen}: {exc}", file=sys.stderr, flush=True)
+                log.error("cannot listen on %s: %s", listen, exc)
                 raise SystemExit(EXIT_ERROR) from None
             self.tcp_endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-            print(f"listening on {self.tcp_endpoint} (authenticated with the pool key)", file=sys.stderr, flush=True)
+            log.info("listening on %s (authenticated with the pool key)", self.tcp_endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.workers = [_W(i, d) for i, d in enumerate(devices)]
@@ -139,6 +161,12 @@ class Daemon:
         self.stopping = False
         self.started_at = time.time()
         self.next_sweep = 0.0
+        # Steps served, live: each worker counts its forwards into its int64 slot of this shared page
+        # (an memfd inherited by the workers), so `status` is current while a client trains.
+        self.steps_fd = os.memfd_create("dpool-steps")
+        os.ftruncate(self.steps_fd, 8 * max(1, len(devices)))
+        self.steps_map = mmap.mmap(self.steps_fd, 8 * max(1, len(devices)))
+        self.steps = memoryview(self.steps_map).cast("q")
 
     # ------------------------------------------------------------------ workers
     def spawn(self, w: _W) -> None:
@@ -147,13 +175,20 @@ class Daemon:
         from dpool.pool import worker_env
 
         w.generation += 1
-        w.proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, env=worker_env(self.threads))
+        w.steps += self.steps[w.index]  # a respawned worker counts from zero in its slot
+        self.steps[w.index] = 0
+        env = worker_env(self.threads)
+        env.setdefault("PYTHONUNBUFFERED", "1")  # worker output reaches the log as it is written
+        w.proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, env=env, pass_fds=[self.steps_fd])
+        for stream in (w.proc.stdout, w.proc.stderr):
+            threading.Thread(target=_pump, args=(stream, f"worker {w.index}"), daemon=True).start()
         w.pidfd = os.pidfd_open(w.proc.pid)
         self.poller.register(w.pidfd, 1)
         w.state, w.started = "starting", time.time()
         boot = {"mode": "daemon", "key": self.key, "endpoint": self.endpoint, "ident": w.ident, "index": w.index,
                 "device": w.device, "ppid": os.getpid(), "threads": self.threads, "shm_dir": self.config.shm_dir,
-                "config": self.config.for_worker()}
+                "config": self.config.for_worker(), "steps": [self.steps_fd, 8 * max(1, len(self.devices))]}
         assert w.proc.stdin is not None
         w.proc.stdin.write(msgpack.packb(boot, use_bin_type=True))
         w.proc.stdin.close()
@@ -186,6 +221,8 @@ class Daemon:
 
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        log.info("pool %r: starting %d worker(s) on %s (daemon pid %d)", self.name, len(self.workers),
+                 ",".join(self.devices), os.getpid())
         for w in self.workers:
             self.spawn(w)
         ready_written = False
@@ -199,12 +236,11 @@ class Daemon:
                     w.proc.wait()
                     if self.stopping:
                         continue
-                    print(f"worker {w.index} (pid {w.proc.pid}) exited ({w.proc.returncode}); restarting it",
-                          file=sys.stderr, flush=True)
+                    log.warning("worker %d (pid %d) exited (%s); restarting it", w.index, w.proc.pid, w.proc.returncode)
                     w.restarts += 1
                     self.spawn(w)
             if self.client_fd >= 0 and events.get(self.client_fd):
-                print(f"client {self.client} died; freeing the pool", file=sys.stderr, flush=True)
+                log.info("client %s died; freeing the pool", self.client)
                 self.release()
             if events.get(self.sock):
                 self.drain()
@@ -213,6 +249,8 @@ class Daemon:
             if not ready_written and all(w.state == "idle" for w in self.workers):
                 self.write_state()
                 ready_written = True
+                log.info("pool %r ready: %d worker(s) on %s (pids %s)", self.name, len(self.workers),
+                         ",".join(self.devices), [w.proc.pid for w in self.workers if w.proc is not None])
         return self.shutdown()
 
     def drain(self) -> None:
@@ -229,19 +267,21 @@ class Daemon:
                     raise P.ProtocolError("replayed message")
                 self.seen[ident] = seq
             except P.ProtocolError as exc:
-                print(f"rejected a message from {ident!r}: {exc}", file=sys.stderr, flush=True)
+                log.warning("rejected a message from %r: %s", ident, exc)
                 continue
             w = next((w for w in self.workers if w.ident == ident), None)
             if w is not None:
                 if isinstance(msg, P.Hello):
                     w.state = "idle"
                 elif isinstance(msg, P.Detached):
-                    w.state, w.steps = "idle", w.steps + msg.steps
+                    w.state = "idle"
+                    log.info("worker %d detached (%s; %d steps)", w.index, msg.reason, msg.steps)
                 continue
             if isinstance(msg, P.AttachRequest):
                 self.attach(ident, msg)
             elif isinstance(msg, P.DetachRequest):
                 if msg.pid == self.client:
+                    log.info("client %d detached", msg.pid)
                     self.release()
                 self.send(ident, P.Ok())
             elif isinstance(msg, P.StatusRequest):
@@ -284,6 +324,7 @@ class Daemon:
             assert w.proc is not None
             out.append([w.index, w.device, w.proc.pid, session_ident])
         self.send(ident, P.AttachReply(True, out, "", self.threads, os.getpid()))
+        log.info("client %d attached", msg.pid)
 
     def release(self) -> None:
         if self.client_fd >= 0:
@@ -304,7 +345,7 @@ class Daemon:
 
         self.next_sweep = time.monotonic() + 1.0
         for name in sweep(self.config.shm_dir) + sweep_sockets(runtime_dir()):
-            print(f"removed {name} (its owner died)", file=sys.stderr, flush=True)
+            log.info("removed %s (its owner died)", name)
 
     def status(self) -> dict:
         import psutil
@@ -319,7 +360,7 @@ class Daemon:
             rows.append({"index": w.index, "device": w.device, "pid": pid, "state": w.state, "rss_bytes": rss,
                          "uptime_s": round(time.time() - w.started, 1), "restarts": w.restarts})
         return {"name": self.name, "pid": os.getpid(), "client_pid": self.client, "listen": self.tcp_endpoint,
-                "steps_served": sum(w.steps for w in self.workers) // max(1, len(self.workers)),
+                "steps_served": sum(w.steps + self.steps[w.index] for w in self.workers) // max(1, len(self.workers)),
                 "workers": rows}
 
     def shutdown(self) -> int:
@@ -329,8 +370,7 @@ class Daemon:
             # A client is attached: say so in the state file *before* its workers go, so that the
             # client reports DaemonLostError (not a restartable worker death), then end them now:
             # a serving worker does not read the daemon's socket, so a shutdown would only wait.
-            print(f"stopping while client {self.client} is attached; its call fails with DaemonLostError",
-                  file=sys.stderr, flush=True)
+            log.info("stopping while client %s is attached; its call fails with DaemonLostError", self.client)
             self.write_state(stopping=True)
             for w in self.workers:
                 if w.proc is not None and w.state == "busy":
@@ -354,6 +394,7 @@ class Daemon:
                 os.unlink(os.path.join(self.dir, f))
             except FileNotFoundError:
                 pass
+        log.info("pool %r stopped", self.name)
         os.close(self.lock_fd)
         try:
             os.rmdir(self.dir)

@@ -186,6 +186,10 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
     from dpool.shm import attach
 
     index = int(boot["index"])
+    steps_slot = None
+    if boot.get("steps"):  # the daemon's live steps-served page (an inherited memfd)
+        steps_map = attach(boot["shm_dir"], boot["steps"])
+        steps_slot = memoryview(steps_map.mmap).cast("q")[index:index + 1]
     codec = P.Codec(boot["key"], int(boot["config"]["max_message_bytes"]))
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -216,7 +220,7 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
         session = {"key": msg.key, "endpoint": msg.endpoint, "ident": msg.ident, "index": index,
                    "device": boot["device"], "shm_dir": boot["shm_dir"],
                    "config": {"max_message_bytes": msg.max_message_bytes}}
-        steps, reason = _serve(ctx, boot, session, known, msg.client_pid)
+        steps, reason = _serve(ctx, boot, session, known, msg.client_pid, steps_slot)
         beat.target(None)
         del control
         _unlink(boot["shm_dir"], known)
@@ -247,7 +251,8 @@ def _unlink(shm_dir: str, names: set[str]) -> None:
                 pass
 
 
-def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int | None) -> tuple[int, str]:
+def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int | None,
+           steps_slot: Any = None) -> tuple[int, str]:
     """Serve one coordinator until ``shutdown`` (or, attached to a daemon, until its process dies).
 
     Returns:
@@ -328,7 +333,10 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
             except BaseException as exc:  # the model's error travels back as strings
                 reply = _failed(replica.stage, exc)
             send(reply)
-            served += msg.op == "forward"
+            if msg.op == "forward":
+                served += 1
+                if steps_slot is not None:
+                    steps_slot[0] += 1
             replica.after_reply()
     except ClientGone:
         reason = "client died"
