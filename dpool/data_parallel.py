@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -193,11 +194,16 @@ class DataParallel(nn.DataParallel):
         else:
             self._saved_threads = None
 
-    # Not traceable on purpose: a step talks to other processes. torch.compile(dpool.wrap(net)) runs this
-    # eagerly instead of breaking the graph (and warning) at every socket and file call; compile the
-    # module inside (dpool.wrap(torch.compile(net))) to compile the replicas' work.
-    @torch.compiler.disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        # Not traceable on purpose: a step talks to other processes. Under torch.compile(dpool.wrap(net))
+        # the dispatch runs eagerly (a dynamo-disabled call) instead of breaking the graph, with a warning,
+        # at every socket and file call; compile inside (dpool.wrap(torch.compile(net))) instead. Only
+        # when Dynamo is loaded: importing it costs ~1.5 s, which `import dpool` must not pay.
+        if "torch._dynamo" in sys.modules:
+            return _not_traced()(self, inputs, kwargs)
+        return self._dispatch(inputs, kwargs)
+
+    def _dispatch(self, inputs: tuple, kwargs: dict) -> Any:
         rt = self._runtime
         if rt is None:
             raise PoolBrokenError(
@@ -311,6 +317,19 @@ class DataParallel(nn.DataParallel):
 
     def extra_repr(self) -> str:
         return f"device_ids={self.device_ids}, dim={self.dim}"
+
+
+_NOT_TRACED: Any = None
+
+
+def _not_traced() -> Any:
+    """``DataParallel._dispatch`` wrapped by ``torch._dynamo.disable`` (made on first use)."""
+    global _NOT_TRACED
+    if _NOT_TRACED is None:
+        import torch._dynamo
+
+        _NOT_TRACED = torch._dynamo.disable(DataParallel._dispatch)
+    return _NOT_TRACED
 
 
 def _master_copy(module: nn.Module) -> nn.Module:

@@ -122,7 +122,7 @@ def sweep_sockets(directory: str) -> list[str]:
     return removed
 
 
-_SOCK_NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+\.sock$")
+_SOCK_NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+(-r\d+)?\.sock$")
 
 
 _DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -300,6 +300,9 @@ class Pool:
             t0 = time.monotonic()
             self._await_hello({w.index for w in self.workers})
             self.control.unlink()
+            # Connected peers keep their connections; the name is only needed to connect. Removing it now
+            # leaves nothing behind however this process ends (a kernel manager's killpg included).
+            _unlink_socket(self.sock_path)
             log.info("%s %d worker(s) on %s (pids %s) in %.2f s", "attached" if self.attach else "started",
                      len(self.workers), self.devices, [w.pid for w in self.workers], time.monotonic() - t0)
         except BaseException:
@@ -355,6 +358,11 @@ class Pool:
 
     def respawn(self, indices: Sequence[int]) -> None:
         """Replace the (dead or hung) workers ``indices`` by fresh processes; they still need ``init``."""
+        # A fresh name to connect to (the first one was removed once every worker had connected).
+        self.sock_path = os.path.join(os.path.dirname(self.sock_path), f"{self.prefix}-r{self._generation + 1}.sock")
+        self.endpoint = "ipc://" + self.sock_path
+        self._sock.bind(self.endpoint)
+        os.chmod(self.sock_path, 0o600)
         for idx in indices:
             old = self.workers[idx]
             self._reap_one(old)
@@ -364,7 +372,10 @@ class Pool:
             self._pending[idx] = 0
             self._beats[idx] = time.monotonic_ns()
             self._spawn(w)
-        self._await_hello(set(indices))
+        try:
+            self._await_hello(set(indices))
+        finally:
+            _unlink_socket(self.sock_path)
 
     def _reap_one(self, w: _Worker) -> None:
         _kill_and_join(w)

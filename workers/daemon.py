@@ -251,7 +251,13 @@ class Daemon:
                 ready_written = True
                 log.info("pool %r ready: %d worker(s) on %s (pids %s)", self.name, len(self.workers),
                          ",".join(self.devices), [w.proc.pid for w in self.workers if w.proc is not None])
-        return self.shutdown()
+        rc = self.shutdown()
+        # Everything is released explicitly above; skipping the interpreter's teardown (a second with
+        # torch loaded) lets `dpool-workers stop` return as soon as the pool is gone.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
     def drain(self) -> None:
         import zmq
