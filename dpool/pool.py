@@ -75,7 +75,6 @@ import weakref
 from typing import Any, Sequence
 
 import msgpack
-import psutil
 import torch
 import zmq
 
@@ -92,7 +91,7 @@ from .errors import (
 )
 from ._tensors import from_bytes, to_bytes
 from .daemon_client import locate, read_pool, request, runtime_dir
-from .shm import Segment, segment_prefix
+from .shm import Segment, segment_prefix, sweep
 
 __all__ = ["Pool", "runtime_dir", "worker_command", "worker_env"]
 
@@ -105,21 +104,7 @@ _STDERR_TAIL = 40
 
 def sweep_sockets(directory: str) -> list[str]:
     """Remove this user's coordinator socket files (``dpool-<uid>-<pid>-<token>.sock``) whose owner is dead."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = _SOCK_NAME.match(name)
-        if m is None or int(m.group(1)) != os.getuid() or psutil.pid_exists(int(m.group(2))):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
+    return sweep(directory, _SOCK_NAME)
 
 
 _SOCK_NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+(-r\d+)?\.sock$")

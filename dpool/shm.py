@@ -227,8 +227,12 @@ def attach(directory: str, ref: list, current: Mapped | None = None) -> Mapped:
     return Mapped(directory, name, size)
 
 
-def sweep(directory: str = "/dev/shm") -> list[str]:
-    """Unlink this user's dpool segments whose owner process is gone.
+def sweep(directory: str = "/dev/shm", pattern: re.Pattern = _NAME) -> list[str]:
+    """Unlink this user's dpool files in ``directory`` whose owner process is gone.
+
+    Args:
+        pattern: a name pattern whose groups 1 and 2 are the owner's uid and pid (default: segments;
+            :func:`dpool.pool.sweep_sockets` passes the socket-file pattern).
 
     Returns:
         The names removed.
@@ -242,10 +246,8 @@ def sweep(directory: str = "/dev/shm") -> list[str]:
     except OSError:
         return removed
     for name in names:
-        m = _NAME.match(name)
-        if not m or m.group(1) != uid:
-            continue
-        if psutil.pid_exists(int(m.group(2))):
+        m = pattern.match(name)
+        if not m or m.group(1) != uid or psutil.pid_exists(int(m.group(2))):
             continue
         try:
             os.unlink(os.path.join(directory, name))
