@@ -68,6 +68,7 @@ class CallState:
         self.rows: list[int] = [1] * k
         self.diff_inputs: list[torch.Tensor] = []  # set by the runtime: what a double backward differentiates
         self.diff_params: list[torch.Tensor] = []
+        self.input_devices: list[torch.device] = []  # of the inputs that require grad, in order
         dim = runtime.dim
         self.differentiable = [any(metas[s][g[s]][3] for s in range(k)) for g in groups]
         self.stacked = [runtime.n > 1 and all(len(metas[s][g[s]][1]) == 0 for s in range(k)) for g in groups]
@@ -80,9 +81,15 @@ class CallState:
         """Concatenate the shards' outputs (copied out of shared memory) in group order."""
         out = []
         dim = self.runtime.dim
+        dev = self.runtime.output_device
         warned = False
         for g, stacked in zip(self.groups, self.stacked):
             parts = [read(self.outs[s].views, self.metas[s][g[s]]) for s in range(self.k)]
+            if parts and parts[0].device != dev:  # GPU workers, outputs gathered elsewhere (another GPU, the CPU)
+                parts = [p.to(dev) for p in parts]
+                if len(parts) == 1:
+                    out.append(parts[0])
+                    continue
             if stacked:
                 if dim == 0 and not warned:
                     warnings.warn(_SCALAR_WARNING, stacklevel=_user_stacklevel())
@@ -126,9 +133,11 @@ class CallState:
         out: list[torch.Tensor | None] = []
         dim = self.runtime.dim
         io = self.runtime._io
+        devices = iter(self.input_devices)
         for j, needs in enumerate(self.rg):
             if not needs:
                 continue
+            dev = next(devices)
             parts = []
             for s in range(self.k):
                 m = metas[s][j]
@@ -144,9 +153,12 @@ class CallState:
                 for p in parts:
                     if p is not None:
                         total = p.clone() if total is None else total.add_(p)
-                out.append(total)
+                out.append(total if total is None or total.device == dev else total.to(dev))
             else:
-                filled = [p if p is not None else torch.zeros(self.shard_shapes[s][j], dtype=parts_dtype(parts))
+                if any(p is not None and p.device != dev for p in parts):  # back to the input's device
+                    parts = [p.to(dev) if p is not None else None for p in parts]
+                filled = [p if p is not None else torch.zeros(self.shard_shapes[s][j], dtype=parts_dtype(parts),
+                                                              device=dev)
                           for s, p in enumerate(parts)]
                 out.append(torch.cat(filled, dim) if len(filled) > 1 else filled[0].clone())
         return out
@@ -236,8 +248,11 @@ class DoubleState:
             if all(p is None for p in parts):
                 d_grads.append(None)
                 continue
+            dev = self.runtime.output_device  # where the gathered outputs (and so their gradients) live
+            parts = [p.to(dev) if p is not None else None for p in parts]
             filled = [p if p is not None else torch.zeros(self.per_shard[s][st.groups[j][s]].shape,
-                                                          dtype=parts_dtype(parts)) for s, p in enumerate(parts)]
+                                                          dtype=parts_dtype(parts), device=dev)
+                      for s, p in enumerate(parts)]
             if st.stacked[j]:
                 d_grads.append(torch.stack(filled))
             else:

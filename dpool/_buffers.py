@@ -69,6 +69,9 @@ class BufferCommit:
         if self.policy == "first" or len(slots) == 1:
             master_bytes.copy_(first_bytes)
             return
+        dev = master_bytes.device
+        if any(sl and sl[0].device != dev for sl in slots):  # replicas on other GPUs
+            slots = [[t.to(dev) for t in sl] for sl in slots]
         total = float(sum(sizes))
         done: set[int] = set()
         if self.policy == "sync":
@@ -97,7 +100,7 @@ class BufferCommit:
             f = 1.0 / float(slots[0][inb])
         else:
             f = bn.momentum
-        c = torch.tensor(counts, dtype=torch.float64)
+        c = torch.tensor(counts, dtype=torch.float64, device=old_mean.device)
         means = torch.stack([(s[im].double() - (1 - f) * old_mean) / f for s in slots])
         var_unbiased = torch.stack([(s[iv].double() - (1 - f) * old_var) / f for s in slots])
         var_biased = var_unbiased * ((c - 1) / c).view(-1, 1)

@@ -117,7 +117,7 @@ def combine(runtime: "Runtime", handle: ShardedOutput, replies: list, dtype: tor
     """The full-batch loss from the shards' (sum, denominator) replies, differentiable."""
     total = sum(r.value for r in replies)
     denom = sum(r.denom for r in replies) if reduction == "mean" else 1.0
-    value = torch.tensor(total / denom if denom else total, dtype=dtype)
+    value = torch.tensor(total / denom if denom else total, dtype=dtype, device=runtime.output_device)
     box = _LossBox(runtime, handle, value, denom if denom else 1.0, [r.index for r in replies])
     grad_inputs = handle._diff_inputs + [p for p in runtime.params if p.requires_grad]
     if torch.is_grad_enabled() and grad_inputs and any(handle._state.differentiable):

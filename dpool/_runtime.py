@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -163,11 +164,20 @@ class Runtime:
     def __init__(self, module: torch.nn.Module, devices: Sequence[str], dim: int, config: Config,
                  worker_threads: int, max_restarts: int = 0, buffers: str = "first",
                  shard_weights: Sequence[float] | None = None, balance: str | None = None,
-                 gather: bool = True, attach: str | None = None) -> None:
+                 gather: bool = True, attach: str | None = None, output_device: str | None = None) -> None:
         self.module = module
         self.dim = dim
         self.config = config
         self.n = len(devices)
+        self.devices = list(devices)
+        # The master lives on device_ids[0] (a GPU for CUDA workers); outputs are gathered on output_device.
+        self.device = torch.device(self.devices[0])
+        self.cuda = self.device.type == "cuda"
+        self.output_device = torch.device(output_device) if output_device is not None else self.device
+        # Workers on the master's GPU use its parameter arena directly (as CPU workers use its segment);
+        # others get a copy pushed before each forward. DPOOL_CUDA_ALIAS=0 forces the copy (tests).
+        alias = os.environ.get("DPOOL_CUDA_ALIAS", "1") != "0"
+        self._alias = [not self.cuda or (alias and torch.device(d) == self.device) for d in self.devices]
         sweep(config.shm_dir)
         self._collect_tensors()
         self._next_call = 0
@@ -232,7 +242,14 @@ class Runtime:
                     f"{name} is a meta tensor (no data): materialize the module on the CPU before dpool.wrap(), "
                     "e.g. module.to_empty(device='cpu') and initialize it, or load_state_dict(..., assign=True)"
                 )
-            if t.device.type != "cpu":
+            if t.device != self.device:
+                if self.cuda:
+                    raise DpoolValueError(
+                        f"module must have its parameters and buffers on device {self.device} (device_ids[0]) but "
+                        f"found {name} on device: {t.device}. Move it there before dpool.wrap() (and before "
+                        f"creating the optimizer): module.to('{self.device}'); or list its GPU first in device_ids "
+                        "(device_ids are logical: CUDA_VISIBLE_DEVICES reorders them)."
+                    )
                 raise DpoolValueError(
                     f"{name} is on {t.device}, but CPU workers need the master module on the CPU; "
                     "call module.cpu() before dpool.wrap()"
@@ -244,26 +261,26 @@ class Runtime:
         # (and a respawned worker can still map them).
         self._bind_master(unlink=pool.attach is None)  # attached (daemon) workers map it by name
         self._pickle_model()  # an unpicklable model fails here, before ~a second of worker start-up
-        assert self.master.fd is not None
-        pool.start([self.master.fd])
+        pool.start([self.master.fd] if self.master.fd is not None else [])
         self._ship(by_name=pool.attach is not None, pickled=True)
         self._watch()
 
     def _bind_master(self, unlink: bool) -> None:
         """Lay the master's parameters and buffers out in a new shared segment and rebind them to it."""
         layout = self.layout = Layout(self.params, self.buffers)
-        self.master = self.pool.new_segment(layout.size, min_size=64, keep_fd=True)
+        # on a GPU: the master arena, exported to each worker on the master's GPU (see dpool._cuda)
+        self.master = self.pool.new_segment(layout.size, min_size=64, keep_fd=not self.cuda, device=self.devices[0])
         if unlink:
             self.master.unlink()
         self.param_views = []
         self._param_strides = [dense_strides(p) for p in self.params]  # memory formats, kept in shared memory
         for p, off, st in zip(self.params, layout.param_offsets, self._param_strides):
-            v = standalone_view(self.master.mmap, off, p.dtype, p.shape, st)
+            v = self.master.standalone(off, p.dtype, p.shape, st)
             v.copy_(p.detach())
             self.param_views.append(v)
         self.buffer_views = []
         for b, off in zip(self.buffers, layout.buffer_offsets):
-            v = standalone_view(self.master.mmap, off, b.dtype, b.shape)
+            v = self.master.standalone(off, b.dtype, b.shape)
             v.copy_(b.detach())
             self.buffer_views.append(v)
         from ._buffers import BufferCommit
@@ -302,7 +319,8 @@ class Runtime:
         pool, layout = self.pool, self.layout
         if not pickled:
             self._pickle_model()
-        self.states = [pool.new_segment(layout.size, min_size=64) for _ in range(self.n)]
+        self.states = [pool.new_segment(layout.size, min_size=64, device=self.devices[i], owner=i) for i in range(self.n)]
+        self._replicas: list[Any] = [None if self._alias[i] else self._replica_arena(i) for i in range(self.n)]
         self._init_workers(range(self.n), by_name=by_name)
         self._module_list = list(self.module.modules())
         self._module_ids = {id(m) for m in self._module_list}
@@ -352,8 +370,8 @@ class Runtime:
         try:
             self._collect_tensors()
             self._bind_master(unlink=False)  # running workers map the new segment by name
-            assert self.master.fd is not None and pool.control is not None
-            pool.pass_fds([self.master.fd])  # for workers respawned later
+            if self.master.fd is not None:
+                pool.pass_fds([self.master.fd])  # for workers respawned later
             self._epoch_call = self._next_call  # earlier graphs referred to the old replicas
             self._release.update(self._live)
             self._live.clear()
@@ -364,14 +382,31 @@ class Runtime:
         finally:
             old_master.close_fd()
 
+    def _replica_arena(self, i: int) -> Any:
+        """A GPU copy of the master arena for worker ``i`` (not on the master's GPU); refreshed each forward."""
+        arena = self.pool.new_segment(self.layout.size, min_size=64, device=self.devices[i], owner=i)
+        arena.u8.copy_(self.master.u8)
+        return arena
+
+    def _push(self) -> None:
+        """Copy the master's parameters and buffers to the workers on other GPUs (DataParallel's broadcast)."""
+        for arena in self._replicas:
+            if arena is not None:
+                arena.u8.copy_(self.master.u8)
+
+    def _params_ref(self, i: int, by_name: bool) -> list:
+        if self.cuda:
+            arena = self._replicas[i]
+            return arena.ref() if arena is not None else self.master.ref(self.pool.workers[i])
+        return self.master.ref() if by_name else self.master.fd_ref()
+
     def _init_workers(self, indices: Any, by_name: bool = False) -> None:
         """Ship the model to ``indices`` and wait until their replicas are built."""
         pool, layout = self.pool, self.layout
         pl = Layout.wire(self.params, layout.param_offsets, True)
         bl = Layout.wire(self.buffers, layout.buffer_offsets, False)
         msgs = {
-            i: P.Init(self._model_bytes, [p for p in sys.path if isinstance(p, str)],
-                      self.master.ref() if by_name else self.master.fd_ref(),
+            i: P.Init(self._model_bytes, [p for p in sys.path if isinstance(p, str)], self._params_ref(i, by_name),
                       self.states[i].ref(), pl, bl, pool.threads, {"bn_counts": self._buffers.needs_counts})
             for i in indices
         }
@@ -430,7 +465,9 @@ class Runtime:
     def _restart(self, indices: list[int]) -> None:
         self.pool.respawn(indices)
         for i in indices:
-            self.states[i] = self.pool.new_segment(self.layout.size, min_size=64)
+            self.states[i] = self.pool.new_segment(self.layout.size, min_size=64, device=self.devices[i], owner=i)
+            if self._replicas[i] is not None:
+                self._replicas[i] = self._replica_arena(i)
             self._grad_slots[i] = [self.states[i].u8[a:b].view(dt) for dt, a, b, _ in self.layout.param_groups]
             self._io[i] = {r: _IO() for r in _ROLES}
             self._regions[i] = {}
@@ -450,7 +487,7 @@ class Runtime:
         seg = slot.seg
         if seg is None or seg.size < nbytes_:
             want = max(nbytes_, _MIN_IO, 2 * seg.size if seg is not None else 0)
-            slot.seg = seg = self.pool.new_segment(want)
+            slot.seg = seg = self.pool.new_segment(want, device=self.devices[w], owner=w)
         return seg
 
     def _input_growth(self, w: int, need: int) -> int:
@@ -472,7 +509,7 @@ class Runtime:
         if seg is None or start + need > seg.size:
             slot = self._io[w]["in"]
             want = max(need, _MIN_IO, 2 * seg.size if seg is not None else 0)
-            slot.seg = seg = self.pool.new_segment(want)
+            slot.seg = seg = self.pool.new_segment(want, device=self.devices[w], owner=w)
             start = 0
         return seg, start
 
@@ -506,10 +543,10 @@ class Runtime:
         views = self.param_views + self.buffer_views
         names = self.param_names + self.buffer_names
         v = views[i]
-        if t.shape != v.shape or t.dtype != v.dtype or t.device.type != "cpu":
+        if t.shape != v.shape or t.dtype != v.dtype or t.device != v.device:
             raise ModelChangedError(
                 f"{names[i]} of the master module changed to {tuple(t.shape)}/{t.dtype}/{t.device} after "
-                f"dpool.wrap() (it was {tuple(v.shape)}/{v.dtype}/cpu). The workers' replicas cannot follow a "
+                f"dpool.wrap() (it was {tuple(v.shape)}/{v.dtype}/{v.device}). The workers' replicas cannot follow a "
                 "change of shape, dtype or device: close this model and dpool.wrap() the module again."
             )
         with torch.no_grad():
@@ -554,8 +591,9 @@ class Runtime:
         training = bytes(m.training for m in self._modules())
         requires_grad = bytes(p.requires_grad for p in self.params)
         autocast = None
-        if torch.is_autocast_enabled("cpu"):
-            autocast = ["cpu", dtype_name(torch.get_autocast_dtype("cpu")), torch.is_autocast_cache_enabled()]
+        kind = self.device.type  # autocast of the workers' device type ("cuda" or "cpu")
+        if torch.is_autocast_enabled(kind):
+            autocast = [kind, dtype_name(torch.get_autocast_dtype(kind)), torch.is_autocast_cache_enabled()]
         call = self._next_call = self._next_call + 1
         pool.step += 1
         # One draw from the coordinator's generator per forward: torch.manual_seed(s) makes a run
@@ -572,8 +610,10 @@ class Runtime:
             offs = [placer.reserve(t) for t in shards[s]]
             layouts.append((offs, placer.offset))
             grow += self._input_growth(s, placer.offset)
-        if grow:
+        if grow and not self.cuda:
             check_free(self.config.shm_dir, grow)  # all shards' new segments, before creating any
+        if self.cuda:
+            self._push()
         try:
             for s in range(k):
                 offs, need = layouts[s]
@@ -618,6 +658,7 @@ class Runtime:
         diff_inputs = [t for t, r in zip(tensors, rg) if r]
         diff_params = [p for p in self.params if p.requires_grad] if grad else []
         state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
+        state.input_devices = [t.device for t in diff_inputs]
         if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
             from ._criterion import ShardedOutput
 
@@ -828,6 +869,8 @@ class Runtime:
             if not any(mask[i] for i in idxs):
                 continue
             views = [self._grad_slots[s][g] for s in range(k)]
+            if self.cuda:  # replicas on other GPUs: summed on the master's (DataParallel's reduce_add)
+                views = [v.to(self.device) for v in views]
             total = torch.add(views[0], views[1]) if len(views) > 1 else views[0].clone()
             for v in views[2:]:
                 total.add_(v)
@@ -840,7 +883,8 @@ class Runtime:
         for s in range(k):  # sparse gradients: summed as sparse tensors, as DataParallel's reduce does
             seg = self._io[s]["sparse"].seg
             for i, imeta, vmeta in replies[s].sparse:
-                part = torch.sparse_coo_tensor(read(seg.views, imeta).clone(), read(seg.views, vmeta).clone(),
+                part = torch.sparse_coo_tensor(read(seg.views, imeta).to(self.device, copy=True),
+                                               read(seg.views, vmeta).to(self.device, copy=True),
                                                self.params[i].shape, check_invariants=False)
                 g = param_grads[i]
                 param_grads[i] = part if g is None else g + part
@@ -889,5 +933,5 @@ class Runtime:
         self._regions = []
         self._live.clear()
         for name in ("master", "states", "_grad_slots", "_buffer_slots", "_master_buffers", "_first_buffers",
-                     "_buffers"):
+                     "_buffers", "_replicas"):
             self.__dict__.pop(name, None)

@@ -48,6 +48,37 @@ def _parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
     return devices
 
 
+def _check_devices(devices: list[str], output_device: DeviceLike | None, pool: str | None) -> torch.device:
+    """Refuse device lists dpool cannot run; return where outputs are gathered."""
+    gpus = [d for d in devices if d != "cpu"]
+    if not gpus:
+        if output_device is not None and output_device != -1 and torch.device(output_device).type != "cpu":
+            raise DpoolValueError(f"output_device={output_device!r}: CPU workers gather onto the CPU")
+        return torch.device("cpu")
+    if len(gpus) != len(devices):
+        raise DpoolValueError(f"device_ids {devices} mix CPU and GPU workers; use all 'cpu' entries or all GPU indices")
+    if not torch.cuda.is_available():
+        raise DpoolValueError(f"device_ids {devices} name GPUs, but torch sees none (torch {torch.__version__}, "
+                              f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use 'cpu' entries")
+    count = torch.cuda.device_count()
+    bad = [d for d in devices if int(d.split(":")[1]) >= count]
+    if bad:
+        raise DpoolValueError(f"device_ids {devices}: {bad[0]} does not exist; this process sees {count} GPU(s) "
+                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). On one GPU, "
+                              "device_ids=[0, 0] runs two workers on it.")
+    if pool is not None:
+        raise UnsupportedError("CUDA workers of a dpool-workers daemon are not supported yet; call dpool.wrap() "
+                               "without pool= (embedded workers) for GPUs")
+    if output_device is None:
+        return torch.device(devices[0])
+    if output_device == -1:
+        return torch.device("cpu")
+    dev = torch.device("cuda", output_device) if isinstance(output_device, int) else torch.device(output_device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 class DataParallel(nn.DataParallel):
     r"""Data parallelism over long-lived worker processes, with ``nn.DataParallel``'s API.
 
@@ -162,18 +193,12 @@ class DataParallel(nn.DataParallel):
                 raise DpoolValueError(f"device_ids {list(device_ids)} differ from pool {pool!r}'s devices {devices}")
         else:
             devices = _parse_devices(device_ids)
-        if any(d != "cpu" for d in devices):
-            raise UnsupportedError(
-                f"device_ids {devices}: CUDA workers are not implemented yet in this dpool version; "
-                "use 'cpu' entries, or torch.nn.DataParallel / DistributedDataParallel on GPUs"
-            )
-        if output_device is not None and output_device != -1 and torch.device(output_device).type != "cpu":
-            raise DpoolValueError(f"output_device={output_device!r}: CPU workers gather onto the CPU")
+        out_dev = _check_devices(devices, output_device, pool)
         if not isinstance(dim, int) or dim < 0:
             raise DpoolValueError(f"dim must be a non-negative int, got {dim!r}")
         self.module = module
         self.device_ids = devices
-        self.output_device = torch.device("cpu")
+        self.output_device = out_dev
         self.dim = dim
         cfg = (config or Config()).replace(**options) if options else (config or Config())
         cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
@@ -187,7 +212,7 @@ class DataParallel(nn.DataParallel):
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise DpoolValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
         self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
-                                gather, pool)
+                                gather, pool, str(out_dev))
         _BOUND[module] = weakref.ref(self)
         if coordinator_threads is not None:
             torch.set_num_threads(coordinator_threads)

@@ -173,7 +173,8 @@ def _signal_name(returncode: int) -> str | None:
 
 
 class _Worker:
-    __slots__ = ("index", "device", "proc", "pidfd", "pid", "stderr_tail", "threads", "alive", "seq_in", "ident")
+    __slots__ = ("index", "device", "proc", "pidfd", "pid", "stderr_tail", "threads", "alive", "seq_in", "ident",
+                 "exports")
 
     def __init__(self, index: int, device: str, generation: int = 0) -> None:
         self.index = index
@@ -184,6 +185,7 @@ class _Worker:
         self.threads: list[threading.Thread] = []
         self.alive = True
         self.seq_in = -1
+        self.exports: list = []  # CUDA IPC reference-counter slots this process imported (see dpool._cuda)
 
     def where(self) -> str:
         return f"worker {self.index} ({self.device}, pid {self.pid})"
@@ -222,6 +224,8 @@ class Pool:
         self.attach = attach  # name of a dpool-workers pool to borrow workers from, or None: spawn our own
         self.daemon_pid = -1
         self.devices = list(devices)
+        # GPUs the coordinator synchronises before each request (see NOTE [ CUDA ownership ] in dpool._cuda)
+        self._cuda = sorted({int(d.split(":")[1]) for d in self.devices if d.startswith("cuda")})
         self.config = config
         self.threads = threads
         self.prefix = segment_prefix()
@@ -376,11 +380,21 @@ class Pool:
             t.join(timeout=2.0)
 
     # ------------------------------------------------------------------ start
-    def new_segment(self, size: int, min_size: int = 1 << 20, keep_fd: bool = False) -> Segment:
-        """Create a segment of at least ``size`` bytes, tracked for unlinking on close."""
+    def new_segment(self, size: int, min_size: int = 1 << 20, keep_fd: bool = False, device: str = "cpu",
+                    owner: int | None = None) -> Any:
+        """Create a segment of at least ``size`` bytes, tracked for unlinking on close.
+
+        On a GPU ``device`` it is a :class:`dpool._cuda.Arena` there, exported to worker ``owner``
+        (``None``: to each worker that :meth:`~dpool._cuda.Arena.ref` names).
+        """
         size = max(size, min_size)
         size = 1 << (size - 1).bit_length()  # grow in powers of two
         self._seg_counter += 1  # names are never reused: workers cache mappings by name
+        if device != "cpu":
+            from ._cuda import Arena
+
+            return Arena(f"{self.prefix}-{self._seg_counter}", size, torch.device(device),
+                         self.workers[owner] if owner is not None else None)
         seg = Segment(self.config.shm_dir, f"{self.prefix}-{self._seg_counter}", size, keep_fd=keep_fd)
         self._segments.append(seg)
         return seg
@@ -394,6 +408,12 @@ class Pool:
     def _spawn(self, w: _Worker) -> None:
         env = worker_env(self.threads)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        device = w.device
+        if device.startswith("cuda"):  # the worker sees only its own GPU, as cuda:0
+            from ._cuda import visible_device
+
+            env["CUDA_VISIBLE_DEVICES"] = visible_device(int(device.split(":")[1]))
+            device = "cuda:0"
         w.proc = subprocess.Popen(
             worker_command(),
             stdin=subprocess.PIPE,
@@ -416,7 +436,7 @@ class Pool:
             "endpoint": self.endpoint,
             "index": w.index,
             "ident": w.ident,
-            "device": w.device,
+            "device": device,
             "ppid": os.getpid(),
             "threads": self.threads,
             "shm_dir": self.config.shm_dir,
@@ -497,6 +517,8 @@ class Pool:
             self._round_aborted = False
             self._collectives = {}
             try:
+                for d in self._cuda:  # what we wrote into the workers' GPU buffers is complete
+                    torch.cuda.synchronize(d)
                 for idx, msg in msgs.items():
                     self._send(idx, msg)
                 return self._wait(set(msgs), stage, timeout if timeout is not None else self.config.step_timeout_s)
@@ -853,6 +875,10 @@ def _kill_and_join(w: _Worker) -> None:
             proc.kill()
         proc.wait()
     w.alive = False
+    if w.exports:  # the process is gone: its CUDA IPC counters are ours to release, once
+        from ._cuda import release
+
+        release(w.exports)
 
 
 def _reap(owner: int, workers: list[_Worker], segments: list[Segment], sock_path: str, sock: Any,

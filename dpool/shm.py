@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import secrets
+from typing import Any
 
 import torch
 
@@ -164,6 +165,10 @@ class Segment:
         self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
         self.views = _Views(self.u8)
 
+    def standalone(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
+                   strides: list[int] | None = None) -> torch.Tensor:
+        return standalone_view(self.mmap, offset, dtype, shape, strides)
+
     def fd_ref(self) -> list:
         """``[fd, size]``: a reference by file descriptor (valid in workers spawned with ``pass_fds``)."""
         assert self.fd is not None
@@ -218,13 +223,24 @@ class Mapped:
         self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
         self.views = _Views(self.u8)
 
+    def standalone(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
+                   strides: list[int] | None = None) -> torch.Tensor:
+        return standalone_view(self.mmap, offset, dtype, shape, strides)
 
-def attach(directory: str, ref: list, current: Mapped | None = None) -> Mapped:
-    """Map the segment ``ref = [name, size]``, reusing ``current`` if it is the same one."""
-    name, size = ref
+
+def attach(directory: str, ref: list, current: Any = None) -> Any:
+    """Map the segment ``ref = [name, size]``, reusing ``current`` if it is the same one.
+
+    A three-entry ``[name, size, export]`` is a GPU arena (:class:`dpool._cuda.Imported`).
+    """
+    name = ref[0]
     if current is not None and current.name == (f"fd:{name}" if isinstance(name, int) else name):
         return current
-    return Mapped(directory, name, size)
+    if len(ref) == 3:
+        from ._cuda import Imported
+
+        return Imported(ref)
+    return Mapped(directory, name, ref[1])
 
 
 def sweep(directory: str = "/dev/shm", pattern: re.Pattern = _NAME) -> list[str]:

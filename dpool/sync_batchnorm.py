@@ -61,7 +61,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         local = torch.cat([
             input.sum(dims, dtype=torch.float64),
             (input.double() * input.double()).sum(dims),
-            torch.tensor([input.numel() / c], dtype=torch.float64),
+            torch.tensor([input.numel() / c], dtype=torch.float64, device=input.device),
         ])
         total = _AllReduce.apply(local, coll)
         n = total[2 * c]

@@ -4,7 +4,9 @@
 
 A Model(5 → 2) prints the size of what it receives from inside its forward.
 Under nn.DataParallel on a CPU-only machine the whole batch of 30 goes to one
-module (DataParallel has no CPU parallelism). Under dpool the batch is split
+module (DataParallel has no CPU parallelism); with GPUs it is split across them,
+as in the tutorial ("Let's use 2 GPUs!"). dpool uses every GPU too, or
+--workers workers on a single one. Under dpool the batch is split
 into even shards, one per worker process; the prints come from the workers and
 reach this terminal labelled "[dpool worker k]".
 """
@@ -45,10 +47,10 @@ class Model(nn.Module):
         return output
 
 
-def run(name: str, model: nn.Module, loader: DataLoader) -> None:
+def run(name: str, model: nn.Module, loader: DataLoader, device: torch.device) -> None:
     print(f"--- {name} ---", flush=True)
     for data in loader:
-        output = model(data)
+        output = model(data.to(device))
         print("Outside: input size", data.size(), "output_size", output.size(), flush=True)
 
 
@@ -58,9 +60,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     loader = DataLoader(RandomDataset(INPUT_SIZE, DATA_SIZE), batch_size=BATCH_SIZE, shuffle=True)
-    run("torch.nn.DataParallel", nn.DataParallel(Model(INPUT_SIZE, OUTPUT_SIZE)), loader)
-    with dpool.wrap(Model(INPUT_SIZE, OUTPUT_SIZE), ["cpu"] * args.workers) as model:
-        run(f"dpool.wrap, {args.workers} CPU workers", model, loader)
+    gpus = torch.cuda.device_count()
+    device = torch.device("cuda:0" if gpus else "cpu")
+    if gpus > 1:
+        print(f"Let's use {gpus} GPUs!")
+    run("torch.nn.DataParallel", nn.DataParallel(Model(INPUT_SIZE, OUTPUT_SIZE).to(device)), loader, device)
+    ids: list = (list(range(gpus)) if gpus > 1 else [0] * args.workers) if gpus else ["cpu"] * args.workers
+    with dpool.wrap(Model(INPUT_SIZE, OUTPUT_SIZE).to(device), ids) as model:
+        run(f"dpool.wrap, workers on {ids}", model, loader, device)
 
 
 if __name__ == "__main__":

@@ -98,3 +98,22 @@ def loss_of(name: str, out) -> torch.Tensor:
     if name == "dict":
         return out["out"].logits.pow(2).mean() + out["aux"][0].sum() * 0.1
     return out.pow(2).mean()
+
+
+class Faulty(nn.Module):
+    """A Linear layer whose forward can sleep, hit a device-side assert or run out of GPU memory (fault tests)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, mode: str = "") -> torch.Tensor:
+        import time
+
+        if mode == "sleep":
+            time.sleep(4.0)
+        elif mode == "assert":  # an out-of-range index: a device-side assert on a GPU
+            x = x[torch.full((x.shape[0],), 10**7, device=x.device)]
+        elif mode == "oom":
+            torch.empty(1 << 52, dtype=torch.uint8, device=x.device)
+        return self.lin(x)

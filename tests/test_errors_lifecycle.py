@@ -184,7 +184,8 @@ def _error_cases(tmp_path):
         "unknown pool": (lambda: dpool.wrap(nn.Linear(2, 2), pool="no-such-pool-here"),
                          dpool.PoolNotFoundError, FileNotFoundError),
         "bad device": (lambda: dpool.wrap(nn.Linear(2, 2), ["tpu"]), dpool.DpoolValueError, ValueError),
-        "gpu ids": (lambda: dpool.wrap(nn.Linear(2, 2), [0, 1]), dpool.UnsupportedError, NotImplementedError),
+        # a CPU master with GPU workers (or GPUs torch cannot see): DataParallel's device check
+        "gpu ids": (lambda: dpool.wrap(nn.Linear(2, 2), [0, 0]), dpool.DpoolValueError, ValueError),
         "gather mismatch": (gather_mismatch, dpool.GatherError, RuntimeError),
         "dtype change": (dtype_change, dpool.ModelChangedError, RuntimeError),
         "device_ids type": (lambda: dpool.wrap(nn.Linear(2, 2), "cpu"), dpool.DpoolTypeError, TypeError),

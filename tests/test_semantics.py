@@ -309,8 +309,11 @@ def test_device_ids_parsing():
         _parse_devices("cpu")
     with pytest.raises(ValueError):
         _parse_devices([])
-    with pytest.raises(NotImplementedError, match="CUDA workers"):
-        dpool.wrap(nn.Linear(2, 2), [0, 1])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="name GPUs, but torch sees none"):
+            dpool.wrap(nn.Linear(2, 2), [0, 1])
+    with pytest.raises(ValueError, match="mix CPU and GPU"):
+        dpool.wrap(nn.Linear(2, 2), ["cpu", 0])
 
 
 def test_threads_set_and_restored(wrap):

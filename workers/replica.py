@@ -27,7 +27,7 @@ import torch
 from dpool import _tree
 from dpool import protocol as P
 from dpool._tensors import DTYPES, Placer, check_tensor, meta_nbytes, read
-from dpool.shm import Mapped, attach, standalone_view
+from dpool.shm import Mapped, attach
 from dpool.sync_batchnorm import _set_collective
 
 
@@ -97,6 +97,7 @@ class Replica:
     def __init__(self, index: int, device: str, shm_dir: str) -> None:
         self.index = index
         self.device = device
+        self.on_gpu = device.startswith("cuda")
         self.shm_dir = shm_dir
         self.stage = "starting"
         self.model: torch.nn.Module | None = None
@@ -164,11 +165,9 @@ class Replica:
                 sys.path.append(p)
         master = self._seg("params", msg.params)
         state = self._seg("state", msg.state)
-        self.param_views = [standalone_view(master.mmap, off, DTYPES[dt], shape, st)
-                            for dt, shape, off, _, st in msg.param_layout]
-        self.grad_views = [standalone_view(state.mmap, off, DTYPES[dt], shape, st)
-                           for dt, shape, off, _, st in msg.param_layout]
-        self.buffer_views = [standalone_view(state.mmap, off, DTYPES[dt], shape) for dt, shape, off in msg.buffer_layout]
+        self.param_views = [master.standalone(off, DTYPES[dt], shape, st) for dt, shape, off, _, st in msg.param_layout]
+        self.grad_views = [state.standalone(off, DTYPES[dt], shape, st) for dt, shape, off, _, st in msg.param_layout]
+        self.buffer_views = [state.standalone(off, DTYPES[dt], shape) for dt, shape, off in msg.buffer_layout]
         if msg.buffer_layout:
             start = min(off for _, _, off in msg.buffer_layout)
             end = max(off + meta_nbytes([dt, shape, off, False]) for dt, shape, off in msg.buffer_layout)
@@ -233,6 +232,13 @@ class Replica:
                 p.requires_grad_(bool(flag))
             self._requires_grad = requires_grad
 
+    def _sync(self) -> None:
+        """On a GPU: wait for this request's CUDA work, so that ``busy`` times it (the reply waits anyway)."""
+        if self.on_gpu:
+            self.stage += " (waiting for its CUDA work)"
+            torch.cuda.current_stream().synchronize()
+            self.stage = "idle"
+
     def after_reply(self) -> None:
         """Work kept off the critical path: runs after the reply is sent."""
         if self._to_release:
@@ -292,6 +298,7 @@ class Replica:
         out_seg = self.segs["out"]
         metas = [Placer.write(out_seg.views, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
         self.stage = "idle"
+        self._sync()
         return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.perf_counter() - t0)
 
     def fetch(self, msg: P.Fetch) -> P.Message:
@@ -369,6 +376,7 @@ class Replica:
             metas.append(Placer.write(giseg.views, off, leaf.grad))
             leaf.grad = None
         self.stage = "idle"
+        self._sync()
         return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0, smetas, sparse_need)
 
     def _backward_create_graph(self, msg: P.Backward, call: _Call, roots: list[torch.Tensor],

@@ -315,6 +315,9 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
                 print(f"rejected a control message: {exc}", file=sys.stderr, flush=True)
 
     replica.collective = _Collective(send, recv)
+    on_gpu = str(session["device"]).startswith("cuda")
+    from dpool._cuda import sticky_error
+
     reason = "shutdown"
     saved = sys.stdout, sys.stderr
     try:
@@ -328,10 +331,15 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
                 break
             try:
                 reply = replica.handle(msg)
+                if on_gpu:  # our GPU work is done before the coordinator reads it (NOTE [ CUDA ownership ])
+                    replica.stage += " (waiting for its CUDA work)"
+                    torch.cuda.current_stream().synchronize()
             except ClientGone:
                 raise
             except BaseException as exc:  # the model's error travels back as strings
-                reply = _failed(replica.stage, exc)
+                if on_gpu and sticky_error(exc):
+                    _cuda_context_lost(replica, exc)
+                reply = _failed(replica.stage.replace(" (waiting for its CUDA work)", ""), exc)
             send(reply)
             if msg.op == "forward":
                 served += 1
@@ -381,7 +389,20 @@ class _Collective:
             raise P.ProtocolError(f"expected allreduce_done {self.seq}, got {reply.op}")
         if reply.abort:
             raise CollectiveAborted("another shard of this call failed while this one waited in SyncBatchNorm")
-        return from_bytes(reply.data, torch.float64).to(t.dtype)
+        return from_bytes(reply.data, torch.float64).to(device=t.device, dtype=t.dtype)
+
+
+def _cuda_context_lost(replica: Any, exc: BaseException) -> None:
+    """A sticky CUDA error (device-side assert, illegal address): this process's GPU context is unusable.
+
+    The worker says why on stderr and exits, so that the coordinator sees a dead worker (restarted
+    under ``max_restarts``) instead of one that fails every later step.
+    """
+    print(f"dpool worker {replica.index} (pid {os.getpid()}): CUDA error while {replica.stage}: "
+          f"{str(exc).strip().splitlines()[0]}\nThe CUDA context of this worker is lost; it exits. To find the "
+          "failing operation, run with CUDA_LAUNCH_BLOCKING=1 (and TORCH_USE_CUDA_DSA=1 for device-side "
+          "asserts).", file=sys.stderr, flush=True)
+    os._exit(70)
 
 
 def _failed(stage: str, exc: BaseException) -> Any:

@@ -1,0 +1,198 @@
+"""Training throughput on one GPU: dpool on ``[0, 0]`` against one process and ``nn.DataParallel``.
+
+    python benchmarks/gpu.py                      # every workload, every setup
+    python benchmarks/gpu.py --workloads probe --steps 50 --repeats 5
+
+Setups (all on cuda:0, inputs already on the GPU, fp32, SGD with momentum):
+  single   the module in this process
+  dp       torch.nn.DataParallel(module, device_ids=[0]) (one replica: its per-call overhead)
+  dpool    dpool.wrap(module, [0, 0]): two worker processes sharing GPU 0 over CUDA IPC
+  dpool1   dpool.wrap(module, [0]): one worker process (framework cost without two processes
+           time-slicing one GPU)
+
+Workloads:
+  resnet   a ResNet-18 (BasicBlock [2, 2, 2, 2], 64-512 channels) on 3x64x64 images, batch 256
+  encoder  a 4-layer Transformer encoder (d_model 256, 8 heads), 64 sequences of 128 tokens
+  probe    a 16x16 Linear on 8 rows: the step is all framework cost
+
+Method: every setup is built once and warmed up; repeats are interleaved (A B C A B C ...) so that
+noise hits each setup alike; each repeat times --steps full steps and ends with a device sync.
+The table reports the median samples/s and step time, and for dpool its framework cost per step:
+the step time minus the slower worker's forward+backward (``model.stats()``). Multi-GPU speed-up
+cannot be measured on one GPU, and this benchmark does not claim it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.b1 = nn.BatchNorm2d(cout)
+        self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.b2 = nn.BatchNorm2d(cout)
+        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.b2(self.c2(F.relu(self.b1(self.c1(x))))) + self.skip(x))
+
+
+class ResNet18(nn.Module):
+    def __init__(self, classes: int = 100) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+        layers, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(512, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.stem(x)).mean((2, 3)))
+
+
+class Encoder(nn.Module):
+    def __init__(self, vocab: int = 1000, d: int = 256, classes: int = 10) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 8, 4 * d, batch_first=True), 4)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(tokens)).mean(1))
+
+
+def _workloads() -> dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tuple], int]]:
+    dev = "cuda:0"
+    return {
+        "resnet": (ResNet18, lambda g: (torch.randn(256, 3, 64, 64, generator=g).to(dev),
+                                        torch.randint(0, 100, (256,), generator=g).to(dev)), 256),
+        "encoder": (Encoder, lambda g: (torch.randint(0, 1000, (64, 128), generator=g).to(dev),
+                                        torch.randint(0, 10, (64,), generator=g).to(dev)), 64),
+        "probe": (lambda: nn.Linear(16, 16), lambda g: (torch.randn(8, 16, generator=g).to(dev),
+                                                         torch.randint(0, 16, (8,), generator=g).to(dev)), 8),
+    }
+
+
+class Runner:
+    def __init__(self, setup: str, workload: str) -> None:
+        make, batch, self.rows = _workloads()[workload]
+        torch.manual_seed(0)
+        net = make().to("cuda:0")
+        g = torch.Generator().manual_seed(0)
+        self.data = [batch(g) for _ in range(4)]
+        self.setup = setup
+        if setup == "dp":
+            net = nn.DataParallel(net, device_ids=[0])
+        elif setup.startswith("dpool"):
+            import dpool
+
+            net = dpool.wrap(net, [0] if setup == "dpool1" else [0, 0])
+        self.model = net
+        self.opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        self.overhead: list[float] = []
+
+    def run(self, steps: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        cost = 0.0
+        for i in range(steps):
+            x, y = self.data[i % len(self.data)]
+            self.opt.zero_grad(set_to_none=True)
+            s0 = time.perf_counter()
+            F.cross_entropy(self.model(x), y).backward()
+            self.opt.step()
+            if self.setup.startswith("dpool"):  # host time of the step minus the slower worker's (GPU-synced) busy time
+                st = self.model.stats()["workers"]
+                busy = max(w["forward_ms"] + w["backward_ms"] for w in st) / 1e3
+                cost += (time.perf_counter() - s0) - busy
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if self.setup.startswith("dpool"):
+            self.overhead.append(cost / steps * 1e3)
+        return dt
+
+    def close(self) -> None:
+        if self.setup.startswith("dpool"):
+            self.model.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--workloads", default="resnet,encoder,probe")
+    ap.add_argument("--setups", default="single,dp,dpool")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--profile", default=None, metavar="WORKLOAD",
+                    help="instead: cProfile the coordinator of dpool on WORKLOAD for --steps steps")
+    args = ap.parse_args(argv)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        r = Runner("dpool", args.profile)
+        r.run(args.warmup)
+        prof = cProfile.Profile()
+        prof.enable()
+        dt = r.run(args.steps)
+        prof.disable()
+        print(f"{args.profile}: {dt / args.steps * 1e3:.2f} ms/step; workers {r.model.stats()['workers']}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        r.close()
+        return 0
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                               "cuda": torch.version.cuda, "steps": args.steps, "repeats": args.repeats, "rows": []}
+    print(f"# {results['gpu']}, torch {results['torch']} (CUDA {results['cuda']}); median of {args.repeats} "
+          f"repeats of {args.steps} steps\n")
+    print("| workload | setup | samples/s (min-max) | ms/step | vs single | dpool framework ms/step |")
+    print("|---|---|---|---|---|---|")
+    for wname in args.workloads.split(","):
+        runners = {s: Runner(s, wname) for s in args.setups.split(",")}
+        for r in runners.values():
+            r.run(args.warmup)
+            r.overhead.clear()
+        times: dict[str, list[float]] = {s: [] for s in runners}
+        for _ in range(args.repeats):
+            for s, r in runners.items():
+                times[s].append(r.run(args.steps))
+        rows = runners[next(iter(runners))].rows
+        med = {s: statistics.median(t) for s, t in times.items()}
+        for s, t in times.items():
+            rate = [rows * args.steps / x for x in t]
+            cost = statistics.median(runners[s].overhead) if runners[s].overhead else None
+            row = {"workload": wname, "setup": s, "samples_s": rows * args.steps / med[s],
+                   "min": min(rate), "max": max(rate), "ms_step": med[s] / args.steps * 1e3,
+                   "vs_single": med.get("single", med[s]) / med[s], "framework_ms": cost}
+            results["rows"].append(row)
+            print(f"| {wname} | {s} | {row['samples_s']:.0f} ({row['min']:.0f}-{row['max']:.0f}) | "
+                  f"{row['ms_step']:.2f} | {row['vs_single']:.2f}x | {'' if cost is None else f'{cost:.2f}'} |",
+                  flush=True)
+        for r in runners.values():
+            r.close()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The CUDA transport: coordinator-owned GPU buffers that workers map over CUDA IPC.
+
+This is the GPU counterpart of :mod:`dpool.shm` (see ``docs/design.md``, "CUDA workers", and
+``NOTE [ CUDA ownership ]`` below). An :class:`Arena` stands in for a shared-memory
+:class:`~dpool.shm.Segment` wherever a worker runs on a GPU: the master's parameter
+arena, each worker's state (gradient slots, private buffers) and its growable
+in/out/gout/gin/sparse regions.
+
+NOTE [ CUDA ownership ]
+-----------------------
+* **The coordinator allocates and exports every buffer that crosses a process
+  boundary; workers only import.** CUDA requires an exporter to outlive its
+  importers. The coordinator outlives its workers by construction (they exit
+  the moment it dies), so a worker that dies, hangs or hits a device-side
+  assert can never free memory the coordinator still uses.
+* **Once, not per step.** An arena is exported once per consuming process and
+  imported once by it (``cudaIpcOpenMemHandle`` can take hundreds of ms). The
+  counters in :data:`STATS` prove it; the GPU tests read them.
+* **Release is explicit.** Every export carries one slot of torch's IPC
+  reference counters, which the consumer would decrement when it frees the
+  storage. dpool workers never free an import (they keep each one until they
+  ``os._exit``), so the coordinator releases a consumer's slots itself, exactly
+  once, after that process is reaped (:func:`release`), then
+  ``torch.cuda.ipc_collect()`` returns the memory. A released slot is never
+  released again (torch without pytorch#172060 would pin the block forever).
+* **One-way waits.** The coordinator synchronises its devices before it sends a
+  request that reads what it wrote; a worker synchronises its stream before it
+  replies. The coordinator never waits on a worker's GPU work, so a dead or hung
+  worker cannot wedge the trainer's CUDA streams.
+* Each worker sees only its own GPU (``CUDA_VISIBLE_DEVICES``, translated through
+  the coordinator's own setting): export tuples name device 0 there.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["Arena", "Imported", "STATS", "release", "visible_device", "sticky_error", "standalone"]
+
+# Counts of this process's IPC work: exports (coordinator), imports (worker), releases (coordinator).
+STATS = {"exports": 0, "imports": 0, "releases": 0}
+
+# Worker side: every imported storage lives until the process exits (see NOTE [ CUDA ownership ]).
+_KEEP: list[Any] = []
+
+
+def standalone(storage: Any, device: torch.device, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
+               strides: list[int] | None = None) -> torch.Tensor:
+    """A tensor over bytes ``offset..`` of ``storage`` with its *own* TensorImpl (and version counter).
+
+    Like :func:`dpool.shm.standalone_view`: BatchNorm's in-place update of one buffer must not
+    invalidate another tensor saved for backward.
+    """
+    t = torch.empty(0, dtype=dtype, device=device)
+    shape = list(shape)
+    if strides is None:
+        strides = list(torch.empty(shape, device="meta").stride())
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return t.set_(storage, offset // dtype.itemsize, shape, strides)
+
+
+def _expandable() -> bool:
+    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).replace(" ", "")
+    return "expandable_segments:True" in conf or "expandable_segments:true" in conf
+
+
+def _allocate(size: int, device: torch.device) -> torch.Tensor:
+    """``size`` zeroed bytes on ``device``, never from an expandable segment (those cannot be shared safely)."""
+    if not _expandable():
+        return torch.zeros(size, dtype=torch.uint8, device=device)
+    settings = torch.cuda.memory._set_allocator_settings
+    settings("expandable_segments:False")
+    try:
+        return torch.zeros(size, dtype=torch.uint8, device=device)
+    finally:
+        settings("expandable_segments:True")
+
+
+class Arena:
+    """A coordinator-owned GPU buffer, exported to worker processes over CUDA IPC.
+
+    It has :class:`~dpool.shm.Segment`'s interface (``name``, ``size``, ``u8``, ``views``,
+    ``ref()``), so the runtime places tensors in it the same way.
+
+    Args:
+        name: unique name (workers cache their import by it).
+        size: bytes.
+        device: the GPU, as the coordinator names it.
+        owner: the worker (a ``dpool.pool._Worker``) that maps it, or ``None`` for the master arena,
+            which :meth:`ref` exports to each consumer named.
+    """
+
+    is_cuda = True
+    fd = None
+    linked = False
+
+    def __init__(self, name: str, size: int, device: torch.device, owner: Any = None) -> None:
+        from .shm import _Views
+
+        self.name = name
+        self.size = size
+        self.device = device
+        self.owner = owner
+        self.u8 = _allocate(size, device)
+        self.views = _Views(self.u8)
+        self._refs: dict[bytes, list] = {}
+
+    def standalone(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
+                   strides: list[int] | None = None) -> torch.Tensor:
+        return standalone(self.u8.untyped_storage(), self.device, offset, dtype, shape, strides)
+
+    def ref(self, consumer: Any = None) -> list:
+        """``[name, size, export]`` for ``consumer`` (default: the owner): exported once per consumer process."""
+        w = consumer if consumer is not None else self.owner
+        ref = self._refs.get(w.ident)
+        if ref is None:
+            dev, handle, size, offset, rc, rc_offset, event, event_sync = self.u8.untyped_storage()._share_cuda_()
+            STATS["exports"] += 1
+            w.exports.append((rc, rc_offset))  # released by the pool once that process is reaped
+            ref = self._refs[w.ident] = [self.name, self.size, [handle, size, offset, rc, rc_offset, event, event_sync]]
+        return ref
+
+    def unlink(self) -> None:  # nothing named in /dev/shm
+        pass
+
+    def close_fd(self) -> None:
+        pass
+
+
+class Imported:
+    """A worker's mapping of a coordinator :class:`Arena` (imported once, kept until the worker exits)."""
+
+    __slots__ = ("name", "size", "u8", "views", "storage", "device")
+
+    def __init__(self, ref: list) -> None:
+        from .shm import _Views
+
+        name, size, (handle, storage_size, offset, rc, rc_offset, event, event_sync) = ref
+        self.name, self.size = name, size
+        self.device = torch.device("cuda", 0)  # each worker sees only its own GPU
+        torch.cuda._lazy_init()
+        self.storage = torch.UntypedStorage._new_shared_cuda(0, handle, storage_size, offset, rc, rc_offset,
+                                                             event, event_sync)
+        STATS["imports"] += 1
+        _KEEP.append(self.storage)
+        self.u8 = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage, 0, (size,), (1,))
+        self.views = _Views(self.u8)
+
+    def standalone(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
+                   strides: list[int] | None = None) -> torch.Tensor:
+        return standalone(self.storage, self.device, offset, dtype, shape, strides)
+
+
+def release(exports: list) -> None:
+    """Give back the IPC reference-counter slots of a consumer that is gone (reaped), each once."""
+    while exports:
+        rc, rc_offset = exports.pop()
+        try:
+            torch.UntypedStorage._release_ipc_counter_cuda(rc, rc_offset)
+            STATS["releases"] += 1
+        except Exception:  # pragma: no cover - interpreter teardown, CUDA gone
+            pass
+    try:
+        torch.cuda.ipc_collect()  # frees blocks whose last consumer was just released
+    except Exception:  # pragma: no cover
+        pass
+
+
+def visible_device(index: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry that makes a worker see our ``cuda:index`` as its only GPU."""
+    ours = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if ours is None or ours.strip() == "":
+        return str(index)
+    entries = [e.strip() for e in ours.split(",") if e.strip()]
+    if index >= len(entries):
+        raise ValueError(f"cuda:{index} is not visible (CUDA_VISIBLE_DEVICES={ours!r})")
+    return entries[index]
+
+
+_STICKY = ("device-side assert", "illegal memory access", "unspecified launch failure", "misaligned address",
+           "illegal instruction", "an illegal", "CUDA error: uncorrectable", "context is destroyed")
+
+
+def sticky_error(exc: BaseException) -> bool:
+    """Whether ``exc`` leaves this process's CUDA context unusable (every later CUDA call fails)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "CUDA error" in text and any(s in text for s in _STICKY)

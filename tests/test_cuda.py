@@ -1,0 +1,422 @@
+"""CUDA workers against a single-process CUDA reference, on a real GPU.
+
+With one GPU the workers run as ``device_ids=[0, 0]`` (two worker processes on GPU 0), which
+drives the whole CUDA IPC protocol; ``DPOOL_CUDA_ALIAS=0`` forces the copy path that workers on
+other GPUs take. Paths that need two distinct GPUs (cross-device reduce, peer copies) are tested
+only where two exist. On a machine without a GPU every test here is skipped.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import dpool
+from dpool import _cuda
+from tests.helpers import run_scripts
+from tests.models import CNN, MLP, Faulty
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one is enough: [0, 0])")
+
+DEV = "cuda:0"
+IDS = [0, 0]
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_started():
+    """One wrap/close cycle first: CUDA's driver opens its files (/dev/nvidia*, eventfds, an IPC
+    shm file) once per process, at first use; the per-test leak check must not count those."""
+    with dpool.wrap(MLP().to(DEV), IDS) as model:
+        model(torch.randn(4, 12, device=DEV)).sum().backward()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def _gpu_memory() -> tuple[int, int]:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0)
+
+
+def test_gpu_memory_back_at_baseline_after_close():
+    """Arenas, grown regions included, are freed at close(): every export's counter released once."""
+    def run() -> None:
+        net = MLP().to(DEV)
+        model = dpool.wrap(net, IDS)
+        for rows in (8, 200_000, 8):
+            model(torch.randn(rows, 12, device=DEV)).sum().backward()
+        model.close()
+
+    base = _gpu_memory()
+    exports, releases = _cuda.STATS["exports"], _cuda.STATS["releases"]
+    run()
+    assert _gpu_memory() == base
+    assert _cuda.STATS["exports"] - exports == _cuda.STATS["releases"] - releases > 0
+
+
+def _per_shard_buffers(module: nn.Module, x: torch.Tensor, k: int, policy: str) -> dict[str, torch.Tensor]:
+    """The master's buffers after one training forward under ``policy``, computed in one process."""
+    start = {n: b.detach().clone() for n, b in module.named_buffers()}
+    params = dict(module.named_parameters())
+    shards = x.chunk(k)
+    after = []
+    for xs in shards:
+        bufs = {n: b.clone() for n, b in start.items()}
+        torch.func.functional_call(module, {**params, **bufs}, (xs,))
+        after.append(bufs)
+    if policy == "first":
+        return after[0]
+    if policy == "sync":
+        bufs = {n: b.clone() for n, b in start.items()}
+        torch.func.functional_call(module, {**params, **bufs}, (x,))
+        return bufs
+    rows = [xs.shape[0] / x.shape[0] for xs in shards]
+    return {n: (sum(a[n] * r for a, r in zip(after, rows)) if start[n].is_floating_point() else after[0][n])
+            for n in start}
+
+
+def _reference_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+    """nn.DataParallel's forward in one process: each shard from the same buffers, outputs concatenated."""
+    start = {n: b.detach().clone() for n, b in ref.named_buffers()}
+    params = dict(ref.named_parameters())
+    outs = [torch.func.functional_call(ref, {**params, **{n: b.clone() for n, b in start.items()}}, (xs,))
+            for xs in x.chunk(k)]
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("policy", ["first", "average", "sync"])
+def test_training_matches_single_process_reference(policy, wrap):
+    torch.manual_seed(0)
+    net = CNN().to(DEV)
+    ref = copy.deepcopy(net)
+    model = wrap(net, IDS, buffers=policy)
+    assert model.output_device == torch.device(DEV)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(16, 3, 8, 8, device=DEV)
+        y = torch.randint(0, 5, (16,), device=DEV)
+        want_buffers = _per_shard_buffers(ref, x, 2, policy)
+        out = model(x)
+        want = _reference_step(ref, x, y, 2)
+        assert out.device == torch.device(DEV)
+        torch.testing.assert_close(out, want, **TOL)
+        F.cross_entropy(out, y).backward()
+        F.cross_entropy(want, y).backward()
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"grad of {name}, step {step}")
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        with torch.no_grad():
+            for n, b in ref.named_buffers():
+                b.copy_(want_buffers[n])
+        for (name, b), c in zip(net.named_buffers(), ref.buffers()):
+            if policy == "sync" and name.startswith("bn2"):
+                continue  # "sync" is exact for a BatchNorm whose input does not depend on an earlier one
+            torch.testing.assert_close(b, c, **TOL, msg=f"buffer {name}, step {step}")
+        if policy == "sync":
+            with torch.no_grad():
+                for b, c in zip(net.buffers(), ref.buffers()):
+                    c.copy_(b)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"], **TOL)
+
+
+def test_copy_path_for_workers_off_the_master_gpu(wrap, monkeypatch):
+    """Workers on another GPU get the master's parameters copied before each forward (forced here on one GPU)."""
+    monkeypatch.setenv("DPOOL_CUDA_ALIAS", "0")
+    torch.manual_seed(1)
+    net = MLP().to(DEV)
+    ref = copy.deepcopy(net)
+    model = wrap(net, IDS)
+    assert model._runtime._replicas[0] is not None
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(10, 12, device=DEV)
+        out, want = model(x), ref(x)
+        torch.testing.assert_close(out, want, **TOL)
+        out.square().mean().backward()
+        want.square().mean().backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("where", ["cpu", "pinned", "cuda"])
+def test_inputs_from_anywhere_and_output_device(where, wrap):
+    torch.manual_seed(2)
+    net = MLP().to(DEV)
+    ref = copy.deepcopy(net)
+    model = wrap(net, IDS, output_device="cpu" if where == "cpu" else None)
+    x = torch.randn(9, 12)
+    x = x.pin_memory() if where == "pinned" else x.to(DEV) if where == "cuda" else x
+    x.requires_grad_(True)
+    out = model(x)
+    assert out.device == (torch.device("cpu") if where == "cpu" else torch.device(DEV))
+    xr = x.detach().to(DEV).requires_grad_(True)
+    want = ref(xr)
+    torch.testing.assert_close(out.to(DEV), want, **TOL)
+    out.sum().backward()
+    want.sum().backward()
+    assert x.grad.device == x.device  # input gradients come back to the input's device, as with DataParallel
+    torch.testing.assert_close(x.grad.to(DEV), xr.grad, **TOL)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+def test_structures_no_grad_inference_and_autocast(wrap):
+    torch.manual_seed(3)
+    net = MLP().to(DEV)
+    ref = copy.deepcopy(net)
+    model = wrap(net, IDS)
+    x = torch.randn(8, 12, device=DEV)
+    with torch.no_grad():
+        out = model(x)
+        assert not out.requires_grad
+        torch.testing.assert_close(out, ref(x), **TOL)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), ref(x), **TOL)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, want = model(x), ref(x)
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    want.float().sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_loss_on_workers_no_sync_and_worker_states(wrap):
+    torch.manual_seed(4)
+    net = MLP(d_out=5).to(DEV)
+    ref = copy.deepcopy(net)
+    model = wrap(net, IDS, gather=False)
+    crit = dpool.criterion(nn.CrossEntropyLoss())
+    xs = [torch.randn(12, 12, device=DEV) for _ in range(3)]
+    ys = [torch.randint(0, 5, (12,), device=DEV) for _ in range(3)]
+    with model.no_sync():
+        for x, y in zip(xs[:2], ys[:2]):
+            loss = crit(model(x), y)
+            loss.backward()
+            F.cross_entropy(ref(x), y).backward()
+        assert all(p.grad is None for p in net.parameters())  # kept on the workers inside no_sync
+    loss = crit(model(xs[2]), ys[2])
+    want = F.cross_entropy(ref(xs[2]), ys[2])
+    assert loss.device == torch.device(DEV)
+    torch.testing.assert_close(loss, want, **TOL)
+    loss.backward()
+    want.backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+    devices = model.worker_states(lambda m: (str(next(m.parameters()).device), os.environ["CUDA_VISIBLE_DEVICES"]))
+    assert devices == [("cuda:0", "0"), ("cuda:0", "0")]
+
+
+def test_ipc_work_happens_once_not_per_step(wrap):
+    """Exports and imports happen at wrap() and when a buffer grows, never in a steady-state step."""
+    net = MLP().to(DEV)
+    model = wrap(net, IDS)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step(rows: int) -> None:
+        model(torch.randn(rows, 12, device=DEV)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(8)
+    exports = _cuda.STATS["exports"]
+    imports = model.worker_states(lambda m: __import__("dpool._cuda").
+                                  _cuda.STATS["imports"])
+    for _ in range(20):
+        step(8)
+    assert _cuda.STATS["exports"] == exports
+    assert model.worker_states(lambda m: __import__("dpool._cuda")._cuda.STATS["imports"]) == imports
+    step(200_000)  # 4.8 MB of input per shard: the input region (1 MiB) grows once per worker
+    grown = _cuda.STATS["exports"] - exports
+    assert grown >= 2
+    after = model.worker_states(lambda m: __import__("dpool._cuda")._cuda.STATS["imports"])
+    assert [a - b for a, b in zip(after, imports)] == [grown // 2] * 2
+    for _ in range(3):
+        step(200_000)
+    assert _cuda.STATS["exports"] - exports == grown
+
+
+def test_master_on_another_device_is_refused():
+    net = MLP()
+    with pytest.raises(ValueError, match=r"module must have its parameters and buffers on device cuda:0.*"
+                                         r"module.to\('cuda:0'\)"):
+        dpool.wrap(net, IDS)
+    with pytest.raises(ValueError, match="mix CPU and GPU"):
+        dpool.wrap(net.to(DEV), ["cpu", 0])
+    with pytest.raises(ValueError, match="does not exist"):
+        dpool.wrap(net.to(DEV), [0, torch.cuda.device_count()])
+
+
+def test_sync_batchnorm_on_gpu_workers(wrap):
+    """dpool.SyncBatchNorm normalises every shard with whole-batch statistics: a plain BatchNorm's result."""
+    torch.manual_seed(5)
+    ref = CNN().to(DEV)
+    net = dpool.convert_sync_batchnorm(copy.deepcopy(ref))
+    model = wrap(net, IDS)
+    x = torch.randn(16, 3, 8, 8, device=DEV)
+    out, want = model(x), ref(x)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    out.pow(3).sum().backward()
+    want.pow(3).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
+    for b, c in zip(net.buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5)
+
+
+def test_restart_after_worker_death_and_checkpoint(wrap):
+    torch.manual_seed(6)
+    net = MLP().to(DEV)
+    model = wrap(net, IDS, max_restarts=1)
+    x = torch.randn(8, 12, device=DEV)
+    before = model(x).detach()
+    pid = model.stats()["workers"][1]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(dpool.WorkerDiedError, match=r"worker 1 \(cuda:0, pid"):
+        model(x)
+    torch.testing.assert_close(model(x), before)
+    sd = model.state_dict()
+    assert all(k.startswith("module.") and v.device == torch.device(DEV) for k, v in sd.items())
+    model.load_state_dict(sd)
+    torch.testing.assert_close(model(x), before)
+
+
+# ---------------------------------------------------------------------- faults, one coordinator each
+_HEAD = """
+import os, signal, threading, time, gc, torch, dpool
+from tests.models import Faulty
+def mem():
+    gc.collect(); torch.cuda.synchronize(); return torch.cuda.memory_allocated(0)
+torch.cuda.init()
+net = Faulty().cuda()
+base = mem()
+def leftover():
+    net.zero_grad(set_to_none=True)
+    return mem() - base
+"""
+
+_SCENARIOS = {
+    "kill_mid_forward": """
+model = dpool.wrap(net, [0, 0])
+w = {n: p.detach().clone() for n, p in net.named_parameters()}
+pid = model.stats()["workers"][1]["pid"]
+threading.Timer(1.5, os.kill, (pid, signal.SIGKILL)).start()
+try:
+    model(torch.randn(8, 16, device="cuda"), mode="sleep"); print("NO ERROR")
+except dpool.WorkerDiedError as e:
+    assert "worker 1 (cuda:0, pid %d)" % pid in str(e) and "step" in str(e), e
+assert all(torch.equal(p, w[n]) for n, p in net.named_parameters())
+del w
+model.close()
+print("MEM", leftover())
+print("OK")
+""",
+    "sigstop": """
+model = dpool.wrap(net, [0, 0], heartbeat_timeout_s=3.0)
+pid = model.stats()["workers"][0]["pid"]
+os.kill(pid, signal.SIGSTOP)
+try:
+    model(torch.randn(8, 16, device="cuda")); print("NO ERROR")
+except dpool.WorkerTimeoutError as e:
+    assert "heartbeat" in str(e) and "worker 0" in str(e), e
+model.close()
+print("MEM", leftover())
+print("OK")
+""",
+    "device_assert": """
+model = dpool.wrap(net, [0, 0], max_restarts=2)  # both shards hit the assert
+x = torch.randn(8, 16, device="cuda")
+good = model(x).detach()
+try:
+    model(x, mode="assert"); print("NO ERROR")
+except dpool.WorkerDiedError as e:
+    assert "CUDA_LAUNCH_BLOCKING=1" in str(e) and "device-side assert" in str(e), e
+torch.testing.assert_close(model(x), good)
+model.close()
+print("MEM", leftover())
+print("OK")
+""",
+    "oom": """
+model = dpool.wrap(net, [0, 0])
+x = torch.randn(8, 16, device="cuda")
+good = model(x).detach()
+try:
+    model(x, mode="oom"); print("NO ERROR")
+except torch.OutOfMemoryError as e:
+    assert isinstance(e, dpool.RemoteError) and "worker" in str(e), e
+torch.testing.assert_close(model(x), good)
+model.close()
+print("MEM", leftover())
+print("OK")
+""",
+    "ten_restarts": """
+model = dpool.wrap(net, [0, 0], max_restarts=10)
+x = torch.randn(8, 16, device="cuda")
+model(x)
+seen = []
+for i in range(10):
+    os.kill(model.stats()["workers"][i % 2]["pid"], signal.SIGKILL)
+    try:
+        model(x)
+    except dpool.WorkerDiedError:
+        pass
+    model(x).sum().backward()
+    seen.append(mem())
+assert len(set(seen[1:])) == 1, seen
+model.close()
+print("MEM", leftover())
+print("OK")
+""",
+    "coordinator_killed": """
+model = dpool.wrap(net, [0, 0])
+model(torch.randn(8, 16, device="cuda"))
+print("PIDS", " ".join(str(w["pid"]) for w in model.stats()["workers"]), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+""",
+}
+
+
+def test_gpu_faults():
+    """Worker SIGKILL, SIGSTOP, device-side assert, OOM, ten restarts, coordinator SIGKILL: in parallel."""
+    import psutil
+
+    names = list(_SCENARIOS)
+    results = run_scripts([_HEAD + _SCENARIOS[n] for n in names], timeout=150)
+    for name, r in zip(names, results):
+        if name == "coordinator_killed":
+            assert r.returncode == -signal.SIGKILL, r.stderr
+            pids = [int(p) for p in r.stdout.split("PIDS", 1)[1].split()]
+            from tests.conftest import wait_for
+
+            assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10.0), pids
+            continue
+        assert r.returncode == 0 and "OK" in r.stdout and "NO ERROR" not in r.stdout, \
+            f"{name}:\n{r.stdout}\n{r.stderr[-3000:]}"
+        assert "Producer process has been terminated" not in r.stderr, f"{name}: {r.stderr[-2000:]}"
+        for line in r.stdout.splitlines():
+            if line.startswith("MEM"):
+                assert int(line.split()[1]) == 0, f"{name}: GPU memory not back at baseline ({line})"
