@@ -437,7 +437,7 @@ class Runtime:
     def _request(self, msgs: dict[int, P.Message], stage: str) -> dict[int, P.Message]:
         """``pool.request`` that, on a dead or hung worker, restarts it (``max_restarts``) or breaks the pool."""
         try:
-            return self.pool.request(msgs, stage)
+            return self._lost_contexts(self.pool.request(msgs, stage))
         except (WorkerDiedError, WorkerTimeoutError) as exc:
             dead = getattr(exc, "workers", None) or [exc.worker]
             if self.restarts_left >= len(dead):
@@ -461,6 +461,21 @@ class Runtime:
             exc.args = (f"{exc.args[0]} The pool is broken; the master module is unchanged (dpool.unwrap(model) "
                         "returns it; pass max_restarts=K to dpool.wrap to respawn workers instead).",)
             raise
+
+    def _lost_contexts(self, replies: dict[int, P.Message]) -> dict[int, P.Message]:
+        """Raise :class:`WorkerDiedError` for workers whose CUDA context a sticky error destroyed (they exit)."""
+        lost = sorted(i for i, r in replies.items() if isinstance(r, P.Failed) and r.stage.endswith(P.CONTEXT_LOST))
+        if not lost:
+            return replies
+        w, r = self.pool.workers[lost[0]], replies[lost[0]]
+        also = f" (also worker(s) {lost[1:]})" if len(lost) > 1 else ""
+        raise WorkerDiedError(
+            f"{w.where()}{also} hit a CUDA error its process cannot recover from while "
+            f"{r.stage[: -len(P.CONTEXT_LOST)]} at step {self.pool.step}: {r.qualname}: {r.message.strip()}\n"
+            "Its CUDA context is lost, so the worker exited. To find the failing operation, run with "
+            "CUDA_LAUNCH_BLOCKING=1 (and TORCH_USE_CUDA_DSA=1 for device-side asserts); the coordinator's own "
+            "CUDA context is unaffected.",
+            worker=lost[0], device=w.device, pid=w.pid, step=self.pool.step, workers=lost)
 
     def _restart(self, indices: list[int]) -> None:
         self.pool.respawn(indices)

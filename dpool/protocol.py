@@ -69,6 +69,7 @@ PROTOCOL_VERSION = 3  # 2: attach derives the session key from a nonce; attach_r
 # 3: forward carries a seed drawn from the coordinator's generator; sparse gradients; parameter strides;
 #    backward keep_as (higher-order gradients)
 MAC_SIZE = 32
+CONTEXT_LOST = " [CUDA context lost: the worker exits]"
 
 # A shared-memory reference: [segment name, size in bytes].
 SegRef = list
@@ -450,7 +451,11 @@ class Shutdown(Message):
     traceback=_STR,
 )
 class Failed(Message):
-    """Any request may be answered with this: the remote exception as strings."""
+    """Any request may be answered with this: the remote exception as strings.
+
+    A ``stage`` ending in :data:`CONTEXT_LOST` means the worker exits right after this reply (a
+    sticky CUDA error left its GPU context unusable): the coordinator treats it as dead.
+    """
 
     stage: str
     module: str

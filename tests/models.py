@@ -116,4 +116,7 @@ class Faulty(nn.Module):
             x = x[torch.full((x.shape[0],), 10**7, device=x.device)]
         elif mode == "oom":
             torch.empty(1 << 52, dtype=torch.uint8, device=x.device)
-        return self.lin(x)
+        out = self.lin(x)
+        if mode == "sleep_backward" and out.requires_grad:
+            out.register_hook(lambda g: (time.sleep(4.0), g)[1])
+        return out

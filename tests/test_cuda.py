@@ -335,6 +335,36 @@ model.close()
 print("MEM", leftover())
 print("OK")
 """,
+    "kill_mid_backward": """
+model = dpool.wrap(net, [0, 0])
+w = {n: p.detach().clone() for n, p in net.named_parameters()}
+out = model(torch.randn(8, 16, device="cuda"), mode="sleep_backward")
+pid = model.stats()["workers"][0]["pid"]
+threading.Timer(1.5, os.kill, (pid, signal.SIGKILL)).start()
+try:
+    out.sum().backward(); print("NO ERROR")
+except dpool.WorkerDiedError as e:
+    assert "worker 0 (cuda:0, pid %d)" % pid in str(e) and "backward" in str(e), e
+assert all(torch.equal(p, w[n]) for n, p in net.named_parameters()) and net.lin.weight.grad is None
+del w, out
+model.close()
+print("MEM", leftover())
+print("OK")
+""",
+    "expandable_segments": """
+import copy
+ref = copy.deepcopy(net)
+model = dpool.wrap(net, [0, 0])
+x = torch.randn(8, 16, device="cuda")
+out, want = model(x), ref(x)
+torch.testing.assert_close(out, want)
+out.sum().backward(); want.sum().backward()
+torch.testing.assert_close(net.lin.weight.grad, ref.lin.weight.grad)
+del ref, out, want
+model.close()
+print("MEM", leftover())
+print("OK")
+""",
     "sigstop": """
 model = dpool.wrap(net, [0, 0], heartbeat_timeout_s=3.0)
 pid = model.stats()["workers"][0]["pid"]
@@ -405,7 +435,9 @@ def test_gpu_faults():
     import psutil
 
     names = list(_SCENARIOS)
-    results = run_scripts([_HEAD + _SCENARIOS[n] for n in names], timeout=150)
+    # the user's allocator setting must not reach dpool's shared arenas (those cannot be expandable)
+    pre = {"expandable_segments": "import os; os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'\n"}
+    results = run_scripts([pre.get(n, "") + _HEAD + _SCENARIOS[n] for n in names], timeout=150)
     for name, r in zip(names, results):
         if name == "coordinator_killed":
             assert r.returncode == -signal.SIGKILL, r.stderr

@@ -337,9 +337,10 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
             except ClientGone:
                 raise
             except BaseException as exc:  # the model's error travels back as strings
+                stage = replica.stage.replace(" (waiting for its CUDA work)", "")
                 if on_gpu and sticky_error(exc):
-                    _cuda_context_lost(replica, exc)
-                reply = _failed(replica.stage.replace(" (waiting for its CUDA work)", ""), exc)
+                    _cuda_context_lost(replica, exc, lambda: send(_failed(stage + P.CONTEXT_LOST, exc)), ctx)
+                reply = _failed(stage, exc)
             send(reply)
             if msg.op == "forward":
                 served += 1
@@ -392,17 +393,21 @@ class _Collective:
         return from_bytes(reply.data, torch.float64).to(device=t.device, dtype=t.dtype)
 
 
-def _cuda_context_lost(replica: Any, exc: BaseException) -> None:
+def _cuda_context_lost(replica: Any, exc: BaseException, reply: Any, ctx: Any) -> None:
     """A sticky CUDA error (device-side assert, illegal address): this process's GPU context is unusable.
 
-    The worker says why on stderr and exits, so that the coordinator sees a dead worker (restarted
-    under ``max_restarts``) instead of one that fails every later step.
+    The worker replies with the error (marked ``CONTEXT_LOST``), flushes the reply and exits, so that
+    the coordinator treats it as dead (restarted under ``max_restarts``) instead of keeping a worker
+    that fails every later step.
     """
     print(f"dpool worker {replica.index} (pid {os.getpid()}): CUDA error while {replica.stage}: "
-          f"{str(exc).strip().splitlines()[0]}\nThe CUDA context of this worker is lost; it exits. To find the "
-          "failing operation, run with CUDA_LAUNCH_BLOCKING=1 (and TORCH_USE_CUDA_DSA=1 for device-side "
-          "asserts).", file=sys.stderr, flush=True)
-    os._exit(70)
+          f"{str(exc).strip().splitlines()[0]}\nThe CUDA context of this worker is lost; it exits.",
+          file=sys.stderr, flush=True)
+    try:
+        reply()
+        ctx.destroy(linger=2000)  # the reply leaves before we do
+    finally:
+        os._exit(70)
 
 
 def _failed(stage: str, exc: BaseException) -> Any:
