@@ -388,6 +388,7 @@ try:
 except dpool.WorkerDiedError as e:
     assert "CUDA_LAUNCH_BLOCKING=1" in str(e) and "device-side assert" in str(e), e
 torch.testing.assert_close(model(x), good)
+del x, good
 model.close()
 print("MEM", leftover())
 print("OK")
@@ -401,6 +402,7 @@ try:
 except torch.OutOfMemoryError as e:
     assert isinstance(e, dpool.RemoteError) and "worker" in str(e), e
 torch.testing.assert_close(model(x), good)
+del x, good
 model.close()
 print("MEM", leftover())
 print("OK")
@@ -419,6 +421,7 @@ for i in range(10):
     model(x).sum().backward()
     seen.append(mem())
 assert len(set(seen[1:])) == 1, seen
+del x
 model.close()
 print("MEM", leftover())
 print("OK")
