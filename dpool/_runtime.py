@@ -154,8 +154,8 @@ class Runtime:
     """Runs a module's forward and backward on a pool of worker processes.
 
     Args:
-        module: the master module (parameters on CPU).
-        devices: one device string per worker.
+        module: the master module (on ``devices[0]``: the CPU, or the first GPU).
+        devices: one device string per worker (all ``"cpu"`` or all ``"cuda:i"``).
         dim: scatter/gather dimension.
         config: limits and timeouts.
         worker_threads: torch threads per worker.

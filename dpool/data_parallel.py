@@ -90,16 +90,22 @@ class DataParallel(nn.DataParallel):
     a single optimizer on ``model.parameters()`` trains every replica.
 
     On CPU the master's parameters live in shared memory and the replicas use
-    them directly: an optimizer step reaches every worker with no copy.
+    them directly: an optimizer step reaches every worker with no copy. On GPUs
+    they live in a GPU buffer shared over CUDA IPC, used directly by the workers
+    on the master's GPU and copied to the others before each forward.
 
     Args:
         module (nn.Module): module to parallelize; it becomes ``self.module``
-            (the master) and must be on the CPU for CPU workers.
+            (the master) and must be on the CPU for CPU workers, on
+            ``device_ids[0]`` for GPU workers (as ``nn.DataParallel`` requires).
         device_ids (list of int, str or torch.device, optional): one worker per
-            entry. ``"cpu"`` entries are CPU worker processes. Default: every
-            visible GPU, or one CPU worker per physical core when there is none.
+            entry. ``"cpu"`` entries are CPU worker processes; GPU entries are GPU
+            worker processes, and may repeat (``[0, 0]``: two workers on GPU 0).
+            Default: every visible GPU, or one CPU worker per physical core when
+            there is none.
         output_device (int, str or torch.device, optional): where outputs are
-            gathered. Default: the CPU for CPU workers.
+            gathered: ``device_ids[0]`` by default for GPU workers (``-1`` or
+            ``"cpu"``: the CPU); the CPU for CPU workers.
         dim (int): dimension along which inputs are split and outputs
             concatenated. Default: 0.
         worker_threads (int, optional): torch threads per worker. Default:
