@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Arena", "Imported", "STATS", "release", "visible_device", "sticky_error", "standalone"]
+__all__ = ["Arena", "Imported", "STATS", "release", "visible_device", "sticky_error", "standalone",
+           "backend_flags", "apply_backend_flags"]
 
 # Counts of this process's IPC work: exports (coordinator), imports (worker), releases (coordinator).
 STATS = {"exports": 0, "imports": 0, "releases": 0}
@@ -170,6 +171,26 @@ def release(exports: list) -> None:
         torch.cuda.ipc_collect()  # frees blocks whose last consumer was just released
     except Exception:  # pragma: no cover
         pass
+
+
+def backend_flags() -> tuple:
+    """This process's numerics settings that change results on a GPU (TF32, cuDNN's choices).
+
+    Workers follow the coordinator's, as replicas in nn.DataParallel's one process do.
+    """
+    cudnn = torch.backends.cudnn
+    return (torch.get_float32_matmul_precision(), cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark,
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+
+
+def apply_backend_flags(flags: tuple, _model: Any = None) -> None:
+    """Set :func:`backend_flags` in this (worker) process."""
+    cudnn = torch.backends.cudnn
+    torch.set_float32_matmul_precision(flags[0])
+    cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = flags[1], flags[2], flags[3]
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = flags[4]
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flags[5]
 
 
 def visible_device(index: int) -> str:

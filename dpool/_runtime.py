@@ -206,6 +206,7 @@ class Runtime:
         self.call_lock = threading.RLock()
         self._last_rows: list[int] | None = None  # shard sizes of the latest forward (for error hints)
         self._stats = _Stats(self.n)
+        self._sent_flags: tuple | None = None  # GPU numerics settings the workers have (see _follow_backend_flags)
         if attach is not None and max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         self.pool = Pool(devices, config, worker_threads, attach=attach)
@@ -492,6 +493,7 @@ class Runtime:
             self._first_buffers = self.states[0].u8[a:b]
         # Graphs kept by the dead worker are gone: calls made so far can no longer be backpropagated.
         self._epoch_call = self._next_call
+        self._sent_flags = None  # a new process starts with torch's default numerics settings
         self._release.update(self._live)
         self._live.clear()
         self._init_workers(indices)
@@ -595,6 +597,8 @@ class Runtime:
         if self._changed:
             self._follow_changes()
         self._check_bindings()
+        if self.cuda:
+            self._follow_backend_flags()
         release = self._collect_released()
         tensors: list[torch.Tensor] = []
         spec = _tree.flatten((tuple(args), dict(kwargs)), tensors)
@@ -917,6 +921,15 @@ class Runtime:
                               [g for g, p in zip(param_grads, self.params) if p.requires_grad])
 
     # ------------------------------------------------------------------ misc
+    def _follow_backend_flags(self) -> None:
+        """Give the workers this process's TF32 and cuDNN settings when they changed (or after a restart)."""
+        from ._cuda import apply_backend_flags, backend_flags
+
+        flags = backend_flags()
+        if flags != self._sent_flags:
+            self.call_workers(functools.partial(apply_backend_flags, flags))
+            self._sent_flags = flags
+
     @_one_call_at_a_time
     def call_workers(self, fn: Any) -> list[Any]:
         payload = cloudpickle.dumps(fn)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 import dpool
 from dpool import _cuda
 from tests.helpers import run_scripts
-from tests.models import CNN, MLP, Faulty
+from tests.models import CNN, MLP, Faulty, batch, loss_of, make
+from tests.reference import per_shard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one is enough: [0, 0])")
 
@@ -258,6 +259,60 @@ def test_ipc_work_happens_once_not_per_step(wrap):
     for _ in range(3):
         step(200_000)
     assert _cuda.STATS["exports"] - exports == grown
+
+
+@pytest.mark.parametrize("name", ["dict", "lstm"])
+def test_scatter_gather_structures(name, wrap):
+    """Dict/tuple inputs, keyword and non-tensor arguments, structured outputs, integer tokens: as
+    DataParallel's scatter and gather, computed in one process."""
+    net = make(name, torch.float32).to(DEV)
+    ref = copy.deepcopy(net)
+    model = wrap(net, IDS)
+    args, kwargs = batch(name, 9, torch.float32)
+    args, kwargs = _to(args, DEV), _to(kwargs, DEV)
+    out = model(*args, **kwargs)
+    want = per_shard(ref, args, kwargs, 2, 9)
+    torch.testing.assert_close(out, want, **TOL)
+    loss_of(name, out).backward()
+    loss_of(name, want).backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+def _to(obj, dev):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev)
+    if isinstance(obj, tuple):
+        return tuple(_to(o, dev) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, dev) for k, v in obj.items()}
+    return obj
+
+
+def test_shard_weights_and_balance(wrap):
+    torch.manual_seed(7)
+    net = MLP().to(DEV)
+    ref = copy.deepcopy(net)
+    model = wrap(net, IDS, shard_weights=[3, 1])
+    x = torch.randn(12, 12, device=DEV)
+    out = model(x)
+    assert model.stats()["shard_rows"] == [9, 3]
+    torch.testing.assert_close(out, ref(x), **TOL)
+    out.sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+def test_workers_follow_tf32_and_cudnn_settings(wrap):
+    """Replicas compute with the coordinator's TF32/cuDNN settings, as DataParallel's threads do."""
+    model = wrap(MLP().to(DEV), IDS)
+    for tf32 in (True, False):
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        model(torch.randn(4, 12, device=DEV))
+        seen = model.worker_states(lambda m: (torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()))
+        assert seen == [(tf32, "high" if tf32 else "highest")] * 2
 
 
 def test_master_on_another_device_is_refused():
