@@ -5,10 +5,9 @@
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .config import Config
-from .data_parallel import DataParallel, is_wrapped, unwrap, wrap
-from ._criterion import ShardedOutput, criterion
-from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from .errors import (
     AuthError,
     DaemonLostError,
@@ -29,6 +28,35 @@ from .errors import (
     WorkerStartError,
     WorkerTimeoutError,
 )
+
+# The training API imports torch (~2 s); it loads on first use, so that `dpool-workers status` and
+# other tools that only need the errors, the config or the daemon client start at once.
+_LAZY = {
+    "DataParallel": "data_parallel", "wrap": "data_parallel", "unwrap": "data_parallel",
+    "is_wrapped": "data_parallel", "ShardedOutput": "_criterion", "criterion": "_criterion",
+    "SyncBatchNorm": "sync_batchnorm", "convert_sync_batchnorm": "sync_batchnorm",
+}
+
+if TYPE_CHECKING:
+    from ._criterion import ShardedOutput, criterion
+    from .data_parallel import DataParallel, is_wrapped, unwrap, wrap
+    from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dpool' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 def _configure_logging() -> None:
     """``DPOOL_DEBUG=1`` or ``DPOOL_LOG_LEVEL=<level>``: show the "dpool" logger's records on stderr."""

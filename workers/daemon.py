@@ -52,7 +52,6 @@ import time
 from typing import Any
 
 from dpool.daemon_client import POOL_FILES, lock_held, pool_dir, read_pool, request
-from dpool.pool import worker_command
 
 __all__ = ["main", "parse_listen"]
 
@@ -172,7 +171,7 @@ class Daemon:
     def spawn(self, w: _W) -> None:
         import msgpack
 
-        from dpool.pool import worker_env
+        from dpool.pool import worker_command, worker_env
 
         w.generation += 1
         w.steps += self.steps[w.index]  # a respawned worker counts from zero in its slot
@@ -411,6 +410,9 @@ class Daemon:
 
 # ---------------------------------------------------------------------------------------- CLI
 def _devices(text: str | None) -> list[str]:
+    parts = [t.strip() for t in (text or "").split(",") if t.strip()]
+    if parts and all(p == "cpu" for p in parts):
+        return parts  # without importing torch here (seconds): the daemon process imports it anyway
     from dpool.data_parallel import _parse_devices
 
     if not text:
@@ -436,7 +438,8 @@ def cmd_start(a: argparse.Namespace) -> int:
         return EXIT_ALREADY_RUNNING
     devices = _devices(a.device_ids)
     if any(d != "cpu" for d in devices):
-        print(f"dpool-workers: device_ids {devices}: CUDA workers are not implemented yet", file=sys.stderr)
+        print(f"dpool-workers: device_ids {devices}: the daemon's CUDA workers are not implemented yet; "
+              "GPU training runs with dpool.wrap(net, device_ids=[...]) without a pool", file=sys.stderr)
         return EXIT_USAGE
     import psutil
 
@@ -448,6 +451,8 @@ def cmd_start(a: argparse.Namespace) -> int:
             pass
     if a.foreground:
         return Daemon(a.name, devices, threads, listen).run()
+    from dpool.pool import worker_command
+
     log = open(os.path.join(path, "daemon.log"), "ab")
     extra = ["--listen", a.listen] if a.listen is not None else []
     proc = subprocess.Popen([*worker_command("daemon"), "start", "--name", a.name, "--device-ids",
