@@ -44,7 +44,7 @@ from .errors import (
     remote_error,
 )
 from .pool import Pool
-from .shm import Segment, check_free, standalone_view, sweep
+from .shm import Segment, check_free, sweep
 
 __all__ = ["Runtime"]
 

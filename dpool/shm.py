@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import re
 import secrets
 from typing import Any
 
@@ -31,7 +30,7 @@ from .errors import SharedMemoryError
 __all__ = ["Segment", "attach", "sweep", "segment_prefix", "ALIGN", "align", "tensor_view", "standalone_view"]
 
 ALIGN = 64
-_NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+-\d+$")
+from ._sweep import SEGMENT_NAME as _NAME, sweep  # noqa: F401 (sweep: re-exported)
 
 
 def align(n: int) -> int:
@@ -241,33 +240,3 @@ def attach(directory: str, ref: list, current: Any = None) -> Any:
 
         return Imported(ref)
     return Mapped(directory, name, ref[1])
-
-
-def sweep(directory: str = "/dev/shm", pattern: re.Pattern = _NAME) -> list[str]:
-    """Unlink this user's dpool files in ``directory`` whose owner process is gone.
-
-    Args:
-        pattern: a name pattern whose groups 1 and 2 are the owner's uid and pid (default: segments;
-            :func:`dpool.pool.sweep_sockets` passes the socket-file pattern).
-
-    Returns:
-        The names removed.
-    """
-    import psutil
-
-    removed = []
-    uid = str(os.getuid())
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = pattern.match(name)
-        if not m or m.group(1) != uid or psutil.pid_exists(int(m.group(2))):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except OSError:
-            pass
-    return removed

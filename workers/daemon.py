@@ -108,7 +108,7 @@ class Daemon:
 
         from dpool import protocol as P
         from dpool.config import Config
-        from dpool.shm import sweep
+        from dpool._sweep import sweep
 
         _log_to_stderr()
         self.name, self.devices, self.threads = name, devices, threads
@@ -171,7 +171,7 @@ class Daemon:
     def spawn(self, w: _W) -> None:
         import msgpack
 
-        from dpool.pool import worker_command, worker_env
+        from dpool._launch import worker_command, worker_env
 
         w.generation += 1
         w.steps += self.steps[w.index]  # a respawned worker counts from zero in its slot
@@ -202,12 +202,13 @@ class Daemon:
             pass
 
     def write_state(self, stopping: bool = False) -> None:
+        from importlib.metadata import version
+
         import dpool
-        import torch
 
         state = {"name": self.name, "pid": os.getpid(), "endpoint": self.endpoint, "listen": self.tcp_endpoint,
                  "devices": self.devices,
-                 "threads": self.threads, "dpool": dpool.__version__, "torch": torch.__version__,
+                 "threads": self.threads, "dpool": dpool.__version__, "torch": version("torch"),
                  "started": self.started_at, "stopping": stopping}
         tmp = os.path.join(self.dir, "state.json.tmp")
         with open(tmp, "w") as f:
@@ -345,8 +346,7 @@ class Daemon:
         knew of; nobody else would remove them until the next ``wrap()``.
         """
         from dpool.daemon_client import runtime_dir
-        from dpool.pool import sweep_sockets
-        from dpool.shm import sweep
+        from dpool._sweep import sweep, sweep_sockets
 
         self.next_sweep = time.monotonic() + 1.0
         for name in sweep(self.config.shm_dir) + sweep_sockets(runtime_dir()):
@@ -451,7 +451,7 @@ def cmd_start(a: argparse.Namespace) -> int:
             pass
     if a.foreground:
         return Daemon(a.name, devices, threads, listen).run()
-    from dpool.pool import worker_command
+    from dpool._launch import worker_command
 
     log = open(os.path.join(path, "daemon.log"), "ab")
     extra = ["--listen", a.listen] if a.listen is not None else []

@@ -339,7 +339,7 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
             except BaseException as exc:  # the model's error travels back as strings
                 stage = replica.stage.replace(" (waiting for its CUDA work)", "")
                 if on_gpu and sticky_error(exc):
-                    _cuda_context_lost(replica, exc, lambda: send(_failed(stage + P.CONTEXT_LOST, exc)), ctx)
+                    _cuda_context_lost(replica, exc, lambda e=exc: send(_failed(stage + P.CONTEXT_LOST, e)), ctx)
                 reply = _failed(stage, exc)
             send(reply)
             if msg.op == "forward":

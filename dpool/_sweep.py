@@ -1,0 +1,48 @@
+"""Removing this user's dpool files whose owner process is gone: segments and socket files.
+
+Torch-free on purpose (the daemon sweeps without importing torch).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["SEGMENT_NAME", "SOCKET_NAME", "sweep", "sweep_sockets"]
+
+SEGMENT_NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+-\d+$")
+SOCKET_NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+(-r\d+)?\.sock$")
+
+
+def sweep(directory: str = "/dev/shm", pattern: re.Pattern = SEGMENT_NAME) -> list[str]:
+    """Unlink this user's dpool files in ``directory`` whose owner process is gone.
+
+    Args:
+        pattern: a name pattern whose groups 1 and 2 are the owner's uid and pid (default: segments;
+            :func:`sweep_sockets` passes the socket-file pattern).
+
+    Returns:
+        The names removed.
+    """
+    import psutil
+
+    removed = []
+    uid = str(os.getuid())
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        if not m or m.group(1) != uid or psutil.pid_exists(int(m.group(2))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def sweep_sockets(directory: str) -> list[str]:
+    """Remove this user's coordinator socket files (``dpool-<uid>-<pid>-<token>.sock``) whose owner is dead."""
+    return sweep(directory, SOCKET_NAME)
