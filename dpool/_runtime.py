@@ -465,7 +465,9 @@ class Runtime:
 
     def _lost_contexts(self, replies: dict[int, P.Message]) -> dict[int, P.Message]:
         """Raise :class:`WorkerDiedError` for workers whose CUDA context a sticky error destroyed (they exit)."""
-        lost = sorted(i for i, r in replies.items() if isinstance(r, P.Failed) and r.stage.endswith(P.CONTEXT_LOST))
+        if not self.pool.exiting:  # filled by the pool when a CONTEXT_LOST reply arrives
+            return replies
+        lost = sorted(i for i in replies if i in self.pool.exiting)
         if not lost:
             return replies
         w, r = self.pool.workers[lost[0]], replies[lost[0]]

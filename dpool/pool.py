@@ -182,7 +182,7 @@ class Pool:
         self._generation = 0
         self._round: set[int] = set()
         self._round_aborted = False
-        self._exiting: set[int] = set()  # workers that replied CONTEXT_LOST and are exiting
+        self.exiting: set[int] = set()  # workers that replied CONTEXT_LOST and are exiting
         self._collectives: dict[int, dict[int, bytes]] = {}
         self._key = secrets.token_bytes(32)
         self.codec = P.Codec(self._key, config.max_message_bytes)
@@ -300,7 +300,7 @@ class Pool:
             self._generation += 1
             w = _Worker(idx, old.device, self._generation)
             self.workers[idx] = w
-            self._exiting.discard(idx)
+            self.exiting.discard(idx)
             self._pending[idx] = 0
             self._beats[idx] = time.monotonic_ns()
             self._spawn(w)
@@ -594,7 +594,7 @@ class Pool:
                         if isinstance(msg, P.Failed):
                             self._abort_collectives()
                             if msg.stage.endswith(P.CONTEXT_LOST):
-                                self._exiting.add(idx)  # its exit is announced: not a death to report
+                                self.exiting.add(idx)  # its exit is announced: not a death to report
             self._check_exits(events, stage=stage)
             if need:
                 now_ns = time.monotonic_ns()
@@ -613,8 +613,9 @@ class Pool:
         return replies
 
     def _check_exits(self, events: dict, stage: str) -> None:
-        for w in self.workers:
-            if w.alive and w.index in self._exiting and events.get(w.pidfd):
+        for idx in self.exiting:  # announced exits (CONTEXT_LOST): reaped here, not reported
+            w = self.workers[idx]
+            if w.alive and events.get(w.pidfd):
                 w.alive = False
                 if w.proc is not None:
                     w.proc.wait()
