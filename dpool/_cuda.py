@@ -18,13 +18,20 @@ NOTE [ CUDA ownership ]
   counters in :data:`STATS` prove it; the GPU tests read them.
 * **Release is explicit.** Every export carries one slot of torch's IPC
   reference counters, which the consumer would decrement when it frees the
-  storage. dpool workers never free an import (they keep each one until they
-  ``os._exit``), so the coordinator releases a consumer's slots itself, exactly
-  once, after that process is reaped (:func:`release`), then
-  ``torch.cuda.ipc_collect()`` returns the memory. A released slot is never
-  released again (torch without pytorch#172060 would pin the block forever).
-* **One-way waits.** The coordinator synchronises its devices before it sends a
-  request that reads what it wrote; a worker synchronises its stream before it
+  storage. A worker the coordinator spawned never frees an import (it keeps
+  each one until it ``os._exit``\ s), so the coordinator releases that
+  consumer's slots itself, exactly once, after the process is reaped
+  (:func:`release`), then ``torch.cuda.ipc_collect()`` returns the memory. A
+  ``dpool-workers`` worker outlives its clients instead: at the end of a session
+  it frees its imports (:func:`drop_imports`, which decrements the slots) and
+  only then reports ``detached`` to the client, which waits for that before it
+  frees its arenas; the client releases the slots only of a worker that died
+  first. A slot is never released twice (torch without pytorch#172060 would pin
+  the block forever).
+* **One-way waits.** Before each request the coordinator records an
+  interprocess event on each of its GPUs' current streams (exported once, in
+  ``init``); a worker's stream waits on it before it touches coordinator memory,
+  with no host wait on either side. A worker synchronises its stream before it
   replies. The coordinator never waits on a worker's GPU work, so a dead or hung
   worker cannot wedge the trainer's CUDA streams.
 * Each worker sees only its own GPU (``CUDA_VISIBLE_DEVICES``, translated through
@@ -37,7 +44,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Arena", "Imported", "STATS", "release", "visible_device", "sticky_error", "standalone",
+from ._launch import visible_device, client_device  # noqa: F401  (re-exported)
+
+__all__ = ["Arena", "Imported", "STATS", "release", "drop_imports", "visible_device", "client_device", "sticky_error", "standalone",
            "backend_flags", "apply_backend_flags"]
 
 # Counts of this process's IPC work: exports (coordinator), imports (worker), releases (coordinator).
@@ -158,6 +167,23 @@ class Imported:
         return standalone(self.storage, self.device, offset, dtype, shape, strides)
 
 
+def drop_imports() -> None:
+    """A ``dpool-workers`` worker between clients: give back every import of the client that left.
+
+    Called once the session's replica is gone. Freeing an imported storage closes its IPC mapping and
+    decrements the client's counter slot (torch's consumer-side deleter), so the client, which waits
+    for the worker's ``detached`` before it frees its arenas, releases nothing itself.
+    """
+    import gc
+
+    if not _KEEP:
+        return
+    torch.cuda.synchronize()  # nothing of ours still reads or writes the client's memory
+    _KEEP.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def release(exports: list) -> None:
     """Give back the IPC reference-counter slots of a consumer that is gone (reaped), each once."""
     while exports:
@@ -191,17 +217,6 @@ def apply_backend_flags(flags: tuple, _model: Any = None) -> None:
     cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = flags[1], flags[2], flags[3]
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = flags[4]
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flags[5]
-
-
-def visible_device(index: int) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` entry that makes a worker see our ``cuda:index`` as its only GPU."""
-    ours = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if ours is None or ours.strip() == "":
-        return str(index)
-    entries = [e.strip() for e in ours.split(",") if e.strip()]
-    if index >= len(entries):
-        raise ValueError(f"cuda:{index} is not visible (CUDA_VISIBLE_DEVICES={ours!r})")
-    return entries[index]
 
 
 _STICKY = ("device-side assert", "illegal memory access", "unspecified launch failure", "misaligned address",

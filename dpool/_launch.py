@@ -8,7 +8,8 @@ import importlib.util
 import os
 import sys
 
-__all__ = ["worker_command", "worker_env", "worker_package_dir", "WORKER_MALLOC_KEEP"]
+__all__ = ["worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
+           "WORKER_MALLOC_KEEP"]
 
 _DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,3 +62,35 @@ def worker_env(threads: int) -> dict[str, str]:
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(WORKER_MALLOC_KEEP))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(WORKER_MALLOC_KEEP))
     return env
+
+
+def _visible() -> list[str] | None:
+    ours = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if ours is None or ours.strip() == "":
+        return None
+    return [e.strip() for e in ours.split(",") if e.strip()]
+
+
+def visible_device(index: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry that makes a worker see our ``cuda:index`` as its only GPU."""
+    entries = _visible()
+    if entries is None:
+        return str(index)
+    if index >= len(entries):
+        raise ValueError(f"cuda:{index} is not visible (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r})")
+    return entries[index]
+
+
+def client_device(entry: str, where: str = "") -> str:
+    """The inverse of :func:`visible_device`: this process's name (``cuda:i``) for the GPU a worker
+    was given as ``CUDA_VISIBLE_DEVICES=entry`` (by a daemon whose own setting may differ from ours)."""
+    entries = _visible()
+    if entries is None:
+        if entry.isdigit():
+            return f"cuda:{entry}"
+    elif entry in entries:
+        return f"cuda:{entries.index(entry)}"
+    raise ValueError(
+        f"{where or 'a worker'} runs on GPU {entry!r} (its CUDA_VISIBLE_DEVICES entry), which this process does not see "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); run with the daemon's CUDA_VISIBLE_DEVICES, "
+        "or unset it in both")

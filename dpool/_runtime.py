@@ -408,7 +408,8 @@ class Runtime:
         bl = Layout.wire(self.buffers, layout.buffer_offsets, False)
         msgs = {
             i: P.Init(self._model_bytes, [p for p in sys.path if isinstance(p, str)], self._params_ref(i, by_name),
-                      self.states[i].ref(), pl, bl, pool.threads, {"bn_counts": self._buffers.needs_counts})
+                      self.states[i].ref(), pl, bl, pool.threads,
+                      {"bn_counts": self._buffers.needs_counts, "event": pool.event_handle(i)})
             for i in indices
         }
         try:

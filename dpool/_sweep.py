@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["SEGMENT_NAME", "SOCKET_NAME", "sweep", "sweep_sockets"]
+__all__ = ["SEGMENT_NAME", "SOCKET_NAME", "sweep", "sweep_sockets", "sweep_cuda_counters"]
 
 SEGMENT_NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+-\d+$")
 SOCKET_NAME = re.compile(r"^dpool-(\d+)-(\d+)-[0-9a-f]+(-r\d+)?\.sock$")
@@ -46,3 +46,26 @@ def sweep(directory: str = "/dev/shm", pattern: re.Pattern = SEGMENT_NAME) -> li
 def sweep_sockets(directory: str) -> list[str]:
     """Remove this user's coordinator socket files (``dpool-<uid>-<pid>-<token>.sock``) whose owner is dead."""
     return sweep(directory, SOCKET_NAME)
+
+
+def sweep_cuda_counters(pid: int, directory: str = "/dev/shm") -> list[str]:
+    """Remove torch's CUDA IPC reference-counter files (``torch_<pid>_…``) of a dead coordinator ``pid``.
+
+    A coordinator that exports GPU memory keeps its counters in such a file and removes it when it
+    exits normally; one that is killed cannot. Its GPU workers call this once they saw it die (its
+    pid may still be a zombie): the file is theirs to clean, and nobody can open it by name any more
+    (only its dead owner handed it out).
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(f"torch_{pid}_"):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed

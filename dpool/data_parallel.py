@@ -17,7 +17,8 @@ from torch import nn
 from . import protocol as P
 from .config import Config
 from .daemon_client import read_pool, request
-from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError, UnsupportedError
+from ._launch import client_device
+from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError
 
 __all__ = ["DataParallel", "wrap", "unwrap", "is_wrapped"]
 
@@ -66,9 +67,6 @@ def _check_devices(devices: list[str], output_device: DeviceLike | None, pool: s
         raise DpoolValueError(f"device_ids {devices}: {bad[0]} does not exist; this process sees {count} GPU(s) "
                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). On one GPU, "
                               "device_ids=[0, 0] runs two workers on it.")
-    if pool is not None:
-        raise UnsupportedError("CUDA workers of a dpool-workers daemon are not supported yet; call dpool.wrap() "
-                               "without pool= (embedded workers) for GPUs")
     if output_device is None:
         return torch.device(devices[0])
     if output_device == -1:
@@ -191,10 +189,17 @@ class DataParallel(nn.DataParallel):
         pool = pool if pool is not None else (os.environ.get("DPOOL_POOL") or None)
         if pool is not None:  # attach to a running dpool-workers daemon: its devices
             if pool.startswith("tcp://"):  # a pool started with --listen; its key comes from DPOOL_KEY_FILE
-                devices = [w["device"] for w in request(pool, P.StatusRequest()).info["workers"]]
+                rows = request(pool, P.StatusRequest()).info["workers"]
+                devices, visible = [w["device"] for w in rows], [w.get("visible") for w in rows]
             else:
                 state, _ = read_pool(pool)
-                devices = list(state["devices"])
+                devices, visible = list(state["devices"]), state.get("visible") or [None] * len(state["devices"])
+            # A GPU worker's device in our numbering (the daemon's CUDA_VISIBLE_DEVICES may differ from ours).
+            try:
+                devices = [client_device(v, f"worker {i} of pool {pool!r}") if v is not None else d
+                           for i, (d, v) in enumerate(zip(devices, visible))]
+            except ValueError as exc:
+                raise DpoolValueError(str(exc)) from None
             if device_ids is not None and _parse_devices(device_ids) != devices:
                 raise DpoolValueError(f"device_ids {list(device_ids)} differ from pool {pool!r}'s devices {devices}")
         else:

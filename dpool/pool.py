@@ -73,6 +73,7 @@ import weakref
 from typing import Any, Sequence
 
 import msgpack
+import psutil
 import torch
 import zmq
 
@@ -89,7 +90,7 @@ from .errors import (
 )
 from ._tensors import from_bytes, to_bytes
 from .daemon_client import locate, read_pool, request, runtime_dir
-from ._launch import WORKER_MALLOC_KEEP, worker_command, worker_env, worker_package_dir  # noqa: F401
+from ._launch import WORKER_MALLOC_KEEP, visible_device, worker_command, worker_env, worker_package_dir  # noqa: F401
 from ._sweep import sweep_sockets
 from .shm import Segment, segment_prefix
 
@@ -165,8 +166,8 @@ class Pool:
         self.attach = attach  # name of a dpool-workers pool to borrow workers from, or None: spawn our own
         self.daemon_pid = -1
         self.devices = list(devices)
-        # GPUs the coordinator synchronises before each request (see NOTE [ CUDA ownership ] in dpool._cuda)
-        self._cuda = sorted({int(d.split(":")[1]) for d in self.devices if d.startswith("cuda")})
+        # Per GPU of ours: the interprocess event recorded before each request (NOTE [ CUDA ownership ])
+        self._events: dict[int, Any] = {}
         self.config = config
         self.threads = threads
         self.prefix = segment_prefix()
@@ -281,9 +282,9 @@ class Pool:
                 "cannot see: a client must share the pool's host, process IDs and /dev/shm"
             ) from None
         self.threads = reply.threads
-        for idx, device, pid, ident in reply.workers:
+        for idx, _device, pid, ident in reply.workers:  # devices: ours, translated from the pool's state
             w = self.workers[idx]
-            w.device, w.pid, w.ident, w.proc = device, pid, ident, None
+            w.pid, w.ident, w.proc = pid, ident, None
             w.pidfd = os.pidfd_open(pid)
             self._poller.register(w.pidfd, zmq.POLLIN)
 
@@ -342,6 +343,24 @@ class Pool:
         self._segments.append(seg)
         return seg
 
+    def event_handle(self, idx: int) -> bytes | None:
+        """The IPC handle of the event worker ``idx`` waits on before it reads what we wrote (``None`` on CPU).
+
+        One interprocess event per GPU of ours, recorded on that GPU's current stream before every
+        request. Cross-device copies into an arena on that GPU are ordered with its current stream
+        (torch's copy_ synchronises both devices' current streams), so the one event covers them.
+        """
+        dev = self.devices[idx]
+        if not dev.startswith("cuda"):
+            return None
+        d = int(dev.split(":")[1])
+        event = self._events.get(d)
+        if event is None:
+            with torch.cuda.device(d):
+                event = self._events[d] = torch.cuda.Event(interprocess=True)
+                event.record(torch.cuda.current_stream(d))
+        return event.ipc_handle()
+
     def unlink_segments(self) -> None:
         """Unlink every segment name; called once every worker has mapped them."""
         for seg in self._segments:
@@ -353,8 +372,6 @@ class Pool:
         env.setdefault("PYTHONUNBUFFERED", "1")
         device = w.device
         if device.startswith("cuda"):  # the worker sees only its own GPU, as cuda:0
-            from ._cuda import visible_device
-
             env["CUDA_VISIBLE_DEVICES"] = visible_device(int(device.split(":")[1]))
             device = "cuda:0"
         w.proc = subprocess.Popen(
@@ -460,8 +477,8 @@ class Pool:
             self._round_aborted = False
             self._collectives = {}
             try:
-                for d in self._cuda:  # what we wrote into the workers' GPU buffers is complete
-                    torch.cuda.synchronize(d)
+                for d, event in self._events.items():  # workers' streams wait for what we queued so far
+                    event.record(torch.cuda.current_stream(d))
                 for idx, msg in msgs.items():
                     self._send(idx, msg)
                 return self._wait(set(msgs), stage, timeout if timeout is not None else self.config.step_timeout_s)
@@ -741,19 +758,59 @@ class Pool:
 
     def _detach_daemon(self) -> None:
         """Give the daemon's workers back: each drops our replica and memory; then the lease is freed."""
+        told = set()
         for w in self.workers:
             if w.alive and getattr(w, "pidfd", None) is not None and not self._in_round:
                 try:
                     self._sock.send_multipart([w.ident, self.codec.encode(P.Shutdown(), self._seq_out + 1)], zmq.NOBLOCK)
                     self._seq_out += 1
+                    told.add(w.index)
                 except zmq.ZMQError:
                     pass
             w.alive = False
+        if any(w.exports for w in self.workers):
+            self._settle_cuda_exports(told)
         try:
             assert self.attach is not None
             request(self.attach, P.DetachRequest(os.getpid()), timeout=2.0)
         except Exception:
             pass  # the daemon is gone, or will notice our exit through our pidfd
+
+    def _settle_cuda_exports(self, told: set[int]) -> None:
+        """Our GPU arenas' IPC counters held by daemon workers (see NOTE [ CUDA ownership ] in dpool._cuda).
+
+        A worker told to shut down frees its imports, then answers ``detached``: its slots are back at
+        zero. The slots of a worker that died first are ours to release. A worker that neither answers
+        nor exits keeps its slots, so the memory it may still map is never reused.
+        """
+        from ._cuda import release
+
+        waiting = {i for i in told if self.workers[i].exports}
+        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        while waiting and time.monotonic() < deadline:
+            if not self._sock.poll(50):
+                waiting -= {i for i in waiting if self._exited(self.workers[i])}
+                continue
+            for idx, msg in self._drain():
+                if isinstance(msg, P.Detached) and idx in waiting:
+                    waiting.discard(idx)
+                    self.workers[idx].exports.clear()  # freed by the worker itself
+        for w in self.workers:
+            if not w.exports:
+                continue
+            if self._exited(w):
+                release(w.exports)
+            else:
+                log.warning("%s did not give back its CUDA mappings of this process's memory within %gs; that memory "
+                            "stays allocated until this process exits", w.where(), self.config.shutdown_timeout_s)
+                w.exports.clear()
+
+    @staticmethod
+    def _exited(w: _Worker) -> bool:
+        fd = getattr(w, "pidfd", None)
+        if fd is not None:
+            return bool(select.select([fd], [], [], 0)[0])
+        return not psutil.pid_exists(w.pid)
 
     def close(self) -> None:
         """End the workers and free every resource. Idempotent; returns when all workers are joined."""
@@ -826,7 +883,7 @@ def _kill_and_join(w: _Worker) -> None:
             proc.kill()
         proc.wait()
     w.alive = False
-    if w.exports:  # the process is gone: its CUDA IPC counters are ours to release, once
+    if w.exports and proc is not None:  # our child is gone: its CUDA IPC counters are ours to release, once
         from ._cuda import release
 
         release(w.exports)

@@ -1,6 +1,7 @@
 """Models the tests train, defined in an importable module (shipped to workers by reference)."""
 from __future__ import annotations
 
+import os
 from collections import namedtuple
 
 import torch
@@ -116,7 +117,21 @@ class Faulty(nn.Module):
             x = x[torch.full((x.shape[0],), 10**7, device=x.device)]
         elif mode == "oom":
             torch.empty(1 << 52, dtype=torch.uint8, device=x.device)
+        elif mode == f"die_in_copy:{os.getpid()}":  # this worker dies while its output copy is queued on the GPU
+            _die_with_gpu_busy()
         out = self.lin(x)
         if mode == "sleep_backward" and out.requires_grad:
             out.register_hook(lambda g: (time.sleep(4.0), g)[1])
+        if mode == f"die_in_grad_copy:{os.getpid()}" and out.requires_grad:  # ... its gradient copy
+            out.register_hook(lambda g: (_die_with_gpu_busy(), g)[1])
         return out
+
+
+def _die_with_gpu_busy() -> None:
+    """Keep this process's GPU stream busy for ~1 s and SIGKILL the process 0.3 s from now: the work the
+    worker queues next (copies into the coordinator's arenas) is still pending when it dies."""
+    import signal
+    import threading
+
+    torch.cuda._sleep(2_000_000_000)  # clock cycles: about a second
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()

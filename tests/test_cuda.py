@@ -360,6 +360,77 @@ def test_restart_after_worker_death_and_checkpoint(wrap):
     torch.testing.assert_close(model(x), before)
 
 
+# ---------------------------------------------------------------------- the dpool-workers daemon on a GPU
+DAEMON_CLIENT_DIES = """
+import os, signal, torch, dpool
+from tests.models import MLP
+model = dpool.wrap(MLP().cuda(), pool=%r)
+model(torch.randn(8, 12, device="cuda")).sum().backward()
+print("PID", os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_daemon_gpu_workers():
+    """``dpool-workers start --device-ids 0,0``: attached training equals a single-process reference;
+    close() and a client's SIGKILL give every GPU byte back, and the next client trains."""
+    import uuid
+
+    import psutil
+
+    from tests.conftest import wait_for
+    from tests.helpers import run_script
+    from tests.test_daemon import cli, status
+
+    name = "g" + uuid.uuid4().hex[:8]
+    res = cli("start", "--name", name, "--device-ids", "0,0")
+    assert res.returncode == 0, res.stderr
+    info = status(name)
+    pids = [info["pid"]] + [w["pid"] for w in info["workers"]]
+    try:
+        assert [(w["device"], w["visible"]) for w in info["workers"]] == [("cuda:0", "0")] * 2
+
+        def train() -> None:
+            torch.manual_seed(4)
+            net = MLP().to(DEV)
+            ref = copy.deepcopy(net)
+            model = dpool.wrap(net, pool=name)
+            assert model.device_ids == ["cuda:0", "cuda:0"] and len(set(model.pids)) == 2
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+            for rows in (8, 13, 8):
+                x = torch.randn(rows, 12, device=DEV)
+                out, want = model(x), ref(x)
+                torch.testing.assert_close(out, want, **TOL)
+                out.pow(2).mean().backward()
+                want.pow(2).mean().backward()
+                for p, q in zip(net.parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, **TOL)
+                opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+            for p, q in zip(net.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, **TOL)
+            model.close()
+
+        base = _gpu_memory()
+        exports, releases = _cuda.STATS["exports"], _cuda.STATS["releases"]
+        train()
+        # the workers freed their imports themselves (nothing for us to release) and our memory is back
+        assert _cuda.STATS["exports"] > exports and _cuda.STATS["releases"] == releases
+        assert _gpu_memory() == base
+        assert wait_for(lambda: status(name)["client_pid"] is None, timeout=10)
+
+        dead = run_script(DAEMON_CLIENT_DIES % name, timeout=120)
+        assert dead.returncode == -signal.SIGKILL, dead.stderr
+        client = int(dead.stdout.split("PID", 1)[1].split()[0])
+        assert wait_for(lambda: all(w["state"] == "idle" for w in status(name)["workers"]), timeout=15)
+        assert [w["pid"] for w in status(name)["workers"]] == pids[1:]  # the workers lived on
+        assert wait_for(lambda: not _torch_files(client), timeout=5.0), _torch_files(client)
+        train()  # the next client gets a clean pool
+    finally:
+        cli("stop", "--name", name)
+        assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=15), "daemon or workers left"
+
+
 # ---------------------------------------------------------------------- faults, one coordinator each
 _HEAD = """
 import os, signal, threading, time, gc, torch, dpool
@@ -367,6 +438,7 @@ from tests.models import Faulty
 def mem():
     gc.collect(); torch.cuda.synchronize(); return torch.cuda.memory_allocated(0)
 torch.cuda.init()
+print("PID", os.getpid(), flush=True)
 net = Faulty().cuda()
 net(torch.randn(2, 16, device="cuda")).sum().backward()  # cuBLAS's workspace, kept by this process
 net.zero_grad(set_to_none=True)
@@ -404,6 +476,34 @@ except dpool.WorkerDiedError as e:
     assert "worker 0 (cuda:0, pid %d)" % pid in str(e) and "backward" in str(e), e
 assert all(torch.equal(p, w[n]) for n, p in net.named_parameters()) and net.lin.weight.grad is None
 del w, out
+model.close()
+print("MEM", leftover())
+print("OK")
+""",
+    "kill_mid_copy": """
+import copy
+ref = copy.deepcopy(net)
+model = dpool.wrap(net, [0, 0], max_restarts=2)
+x = torch.randn(8, 16, device="cuda")
+w = {n: p.detach().clone() for n, p in net.named_parameters()}
+pid = model.stats()["workers"][1]["pid"]
+try:  # worker 1 dies with its output copy into our arena still queued on the GPU
+    model(x, mode="die_in_copy:%d" % pid); print("NO ERROR")
+except dpool.WorkerDiedError as e:
+    assert "worker 1 (cuda:0, pid %d)" % pid in str(e) and "step" in str(e), e
+assert all(torch.equal(p, w[n]) for n, p in net.named_parameters())
+torch.testing.assert_close(model(x), ref(x))
+out = model(x, mode="die_in_grad_copy:%d" % model.stats()["workers"][0]["pid"])
+pid = model.stats()["workers"][0]["pid"]
+try:  # worker 0 dies with its gradient copy into our slots still queued
+    out.sum().backward(); print("NO ERROR")
+except dpool.WorkerDiedError as e:
+    assert "worker 0 (cuda:0, pid %d)" % pid in str(e) and "backward" in str(e), e
+assert all(torch.equal(p, w[n]) for n, p in net.named_parameters()) and net.lin.weight.grad is None
+model(x).sum().backward()
+ref(x).sum().backward()
+torch.testing.assert_close(net.lin.weight.grad, ref.lin.weight.grad)
+del ref, out, x, w
 model.close()
 print("MEM", leftover())
 print("OK")
@@ -484,14 +584,19 @@ print("OK")
     "coordinator_killed": """
 model = dpool.wrap(net, [0, 0])
 model(torch.randn(8, 16, device="cuda"))
-print("PIDS", " ".join(str(w["pid"]) for w in model.stats()["workers"]), flush=True)
+print("PIDS", os.getpid(), " ".join(str(w["pid"]) for w in model.stats()["workers"]), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """,
 }
 
 
+def _torch_files(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{pid}_")]
+
+
 def test_gpu_faults():
-    """Worker SIGKILL, SIGSTOP, device-side assert, OOM, ten restarts, coordinator SIGKILL: in parallel."""
+    """Worker SIGKILL (mid forward, backward, copy), SIGSTOP, device-side assert, OOM, ten restarts,
+    coordinator SIGKILL: in parallel."""
     import psutil
 
     names = list(_SCENARIOS)
@@ -501,14 +606,17 @@ def test_gpu_faults():
     for name, r in zip(names, results):
         if name == "coordinator_killed":
             assert r.returncode == -signal.SIGKILL, r.stderr
-            pids = [int(p) for p in r.stdout.split("PIDS", 1)[1].split()]
+            coordinator, *pids = [int(p) for p in r.stdout.split("PIDS", 1)[1].split()]
             from tests.conftest import wait_for
 
             assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10.0), pids
+            # torch's IPC reference-counter file of the dead coordinator is removed too
+            assert wait_for(lambda: not _torch_files(coordinator), timeout=5.0), _torch_files(coordinator)
             continue
         assert r.returncode == 0 and "OK" in r.stdout and "NO ERROR" not in r.stdout, \
             f"{name}:\n{r.stdout}\n{r.stderr[-3000:]}"
         assert "Producer process has been terminated" not in r.stderr, f"{name}: {r.stderr[-2000:]}"
+        assert not _torch_files(int(r.stdout.split("PID", 1)[1].split()[0])), name
         for line in r.stdout.splitlines():
             if line.startswith("MEM"):
                 assert int(line.split()[1]) == 0, f"{name}: GPU memory not back at baseline ({line})"

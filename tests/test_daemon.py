@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 

@@ -88,7 +88,11 @@ def parse_listen(text: str) -> str:
 # ---------------------------------------------------------------------------------------- daemon
 class _W:
     def __init__(self, index: int, device: str) -> None:
+        from dpool._launch import visible_device
+
         self.index, self.device = index, device
+        # a GPU worker's CUDA_VISIBLE_DEVICES entry: clients translate it into their own numbering
+        self.visible = visible_device(int(device.split(":")[1])) if device.startswith("cuda") else None
         self.proc: subprocess.Popen | None = None
         self.pidfd = -1
         self.state = "starting"
@@ -178,6 +182,10 @@ class Daemon:
         self.steps[w.index] = 0
         env = worker_env(self.threads)
         env.setdefault("PYTHONUNBUFFERED", "1")  # worker output reaches the log as it is written
+        device = w.device
+        if w.visible is not None:  # a GPU worker sees only its own GPU, as cuda:0 (as embedded ones do)
+            env["CUDA_VISIBLE_DEVICES"] = w.visible
+            device = "cuda:0"
         w.proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, env=env, pass_fds=[self.steps_fd])
         for stream in (w.proc.stdout, w.proc.stderr):
@@ -186,7 +194,7 @@ class Daemon:
         self.poller.register(w.pidfd, 1)
         w.state, w.started = "starting", time.time()
         boot = {"mode": "daemon", "key": self.key, "endpoint": self.endpoint, "ident": w.ident, "index": w.index,
-                "device": w.device, "ppid": os.getpid(), "threads": self.threads, "shm_dir": self.config.shm_dir,
+                "device": device, "ppid": os.getpid(), "threads": self.threads, "shm_dir": self.config.shm_dir,
                 "config": self.config.for_worker(), "steps": [self.steps_fd, 8 * max(1, len(self.devices))]}
         assert w.proc.stdin is not None
         w.proc.stdin.write(msgpack.packb(boot, use_bin_type=True))
@@ -207,7 +215,7 @@ class Daemon:
         import dpool
 
         state = {"name": self.name, "pid": os.getpid(), "endpoint": self.endpoint, "listen": self.tcp_endpoint,
-                 "devices": self.devices,
+                 "devices": self.devices, "visible": [w.visible for w in self.workers],
                  "threads": self.threads, "dpool": dpool.__version__, "torch": version("torch"),
                  "started": self.started_at, "stopping": stopping}
         tmp = os.path.join(self.dir, "state.json.tmp")
@@ -362,7 +370,7 @@ class Daemon:
                 rss = psutil.Process(pid).memory_info().rss
             except psutil.Error:
                 rss = 0
-            rows.append({"index": w.index, "device": w.device, "pid": pid, "state": w.state, "rss_bytes": rss,
+            rows.append({"index": w.index, "device": w.device, "visible": w.visible, "pid": pid, "state": w.state, "rss_bytes": rss,
                          "uptime_s": round(time.time() - w.started, 1), "restarts": w.restarts})
         return {"name": self.name, "pid": os.getpid(), "client_pid": self.client, "listen": self.tcp_endpoint,
                 "steps_served": sum(w.steps + self.steps[w.index] for w in self.workers) // max(1, len(self.workers)),
@@ -438,9 +446,14 @@ def cmd_start(a: argparse.Namespace) -> int:
         return EXIT_ALREADY_RUNNING
     devices = _devices(a.device_ids)
     if any(d != "cpu" for d in devices):
-        print(f"dpool-workers: device_ids {devices}: the daemon's CUDA workers are not implemented yet; "
-              "GPU training runs with dpool.wrap(net, device_ids=[...]) without a pool", file=sys.stderr)
-        return EXIT_USAGE
+        from dpool.data_parallel import _check_devices
+        from dpool.errors import DpoolError
+
+        try:
+            _check_devices(devices, None, None)
+        except DpoolError as exc:
+            print(f"dpool-workers: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     import psutil
 
     threads = a.threads or max(1, (psutil.cpu_count(logical=False) or 1) // len(devices))
@@ -623,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="start a pool and wait until every worker is ready")
     s.add_argument("--name", default="default")
-    s.add_argument("--device-ids", help="comma-separated, e.g. cpu,cpu (default: one CPU worker per physical core)")
+    s.add_argument("--device-ids", help="comma-separated: cpu,cpu or GPU indices such as 0,1 or 0,0 (two workers on "
+                   "GPU 0); default: one CPU worker per physical core")
     s.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
     s.add_argument("--foreground", action="store_true", help="run the daemon in this process")
     s.add_argument("--listen", metavar="[HOST:]PORT",

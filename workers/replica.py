@@ -111,6 +111,10 @@ class Replica:
         self._holding = False
         self._training = b""
         self._requires_grad = b""
+        # The coordinator's interprocess event: recorded before each request, waited on by our stream
+        # before we touch its memory (NOTE [ CUDA ownership ] in dpool._cuda).
+        self.event: Any = None
+        self._event_handle: bytes | None = None
         self._handlers = {
             "init": self.init,
             "forward": self.forward,
@@ -149,6 +153,8 @@ class Replica:
             raise P.ProtocolError(f"worker {self.index} does not serve {msg.op!r} requests")
         if msg.op != "init" and self.model is None:
             raise P.ProtocolError(f"worker {self.index} got {msg.op!r} before init")
+        if self.event is not None:
+            self.event.wait()  # on our stream: no host wait, and never the other way round
         return handler(msg)
 
     # ---------------------------------------------------------------- init
@@ -163,6 +169,11 @@ class Replica:
         for p in msg.sys_path:
             if isinstance(p, str) and p not in sys.path:
                 sys.path.append(p)
+        handle = msg.options.get("event")
+        if self.on_gpu and handle is not None and handle != self._event_handle:  # opened once per coordinator
+            self.event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), handle)
+            self._event_handle = handle
+            self.event.wait()
         master = self._seg("params", msg.params)
         state = self._seg("state", msg.state)
         self.param_views = [master.standalone(off, DTYPES[dt], shape, st) for dt, shape, off, _, st in msg.param_layout]

@@ -150,6 +150,10 @@ def main() -> None:
             endpoint = boot["endpoint"]
             if endpoint.startswith("ipc://"):
                 _unlink(os.path.dirname(endpoint[6:]), {os.path.basename(endpoint[6:])})
+        if str(boot["device"]).startswith("cuda"):
+            from dpool._sweep import sweep_cuda_counters
+
+            sweep_cuda_counters(int(boot["ppid"]))
         os._exit(0)
 
     if os.getppid() != boot["ppid"]:
@@ -226,6 +230,14 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
         _unlink(boot["shm_dir"], known)
         known.clear()
         gc.collect()  # the replica's tensors and mappings go now, not at some later GC pass
+        if str(boot["device"]).startswith("cuda"):
+            from dpool._cuda import drop_imports
+
+            drop_imports()  # a client that died: its arenas' mappings go too
+            if reason == "client died":
+                from dpool._sweep import sweep_cuda_counters
+
+                sweep_cuda_counters(int(msg.client_pid))
         _trim_heap()  # workers keep their heap while serving (see worker_env); give it back between clients
         send(P.Detached(steps, reason))
     sock.close(linger=0)
@@ -316,9 +328,10 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
 
     replica.collective = _Collective(send, recv)
     on_gpu = str(session["device"]).startswith("cuda")
-    from dpool._cuda import sticky_error
+    from dpool._cuda import drop_imports, sticky_error
 
     reason = "shutdown"
+    linger = 0
     saved = sys.stdout, sys.stderr
     try:
         send(P.Hello(replica.index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
@@ -328,6 +341,13 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
         while True:
             msg = recv()
             if isinstance(msg, P.Shutdown):
+                if client_pid is not None and on_gpu:
+                    # A daemon's worker outlives its client: it gives the client's GPU memory back (its
+                    # imports, see NOTE [ CUDA ownership ] in dpool._cuda) before the client frees it.
+                    del replica
+                    drop_imports()
+                    send(P.Detached(served, "shutdown"))
+                    linger = 2000
                 break
             try:
                 reply = replica.handle(msg)
@@ -357,7 +377,7 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
                 except Exception:
                     pass
             sys.stdout, sys.stderr = saved
-        sock.close(linger=0)
+        sock.close(linger=linger)
         if client_fd is not None:
             os.close(client_fd)
     return served, reason
