@@ -19,7 +19,7 @@ NOTE [ CUDA ownership ]
 * **Release is explicit.** Every export carries one slot of torch's IPC
   reference counters, which the consumer would decrement when it frees the
   storage. A worker the coordinator spawned never frees an import (it keeps
-  each one until it ``os._exit``\ s), so the coordinator releases that
+  each one until it exits with ``os._exit``), so the coordinator releases that
   consumer's slots itself, exactly once, after the process is reaped
   (:func:`release`), then ``torch.cuda.ipc_collect()`` returns the memory. A
   ``dpool-workers`` worker outlives its clients instead: at the end of a session

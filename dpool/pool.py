@@ -804,6 +804,7 @@ class Pool:
                 log.warning("%s did not give back its CUDA mappings of this process's memory within %gs; that memory "
                             "stays allocated until this process exits", w.where(), self.config.shutdown_timeout_s)
                 w.exports.clear()
+        torch.cuda.ipc_collect()  # arenas freed while a worker still mapped them (grown regions) go now
 
     @staticmethod
     def _exited(w: _Worker) -> bool:

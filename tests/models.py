@@ -127,6 +127,12 @@ class Faulty(nn.Module):
         return out
 
 
+def gpu_numerics(_model: nn.Module) -> tuple:
+    """A replica's TF32/cuDNN settings, for ``worker_states`` (a function of a module: cloudpickle
+    cannot ship a lambda that reads ``torch.backends.cudnn``, a module-like object it cannot pickle)."""
+    return torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+
+
 def _die_with_gpu_busy() -> None:
     """Keep this process's GPU stream busy for ~1 s and SIGKILL the process 0.3 s from now: the work the
     worker queues next (copies into the coordinator's arenas) is still pending when it dies."""

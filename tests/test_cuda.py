@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import dpool
 from dpool import _cuda
 from tests.helpers import run_scripts
-from tests.models import CNN, MLP, Faulty, batch, loss_of, make
+from tests.models import CNN, MLP, Faulty, batch, gpu_numerics, loss_of, make
 from tests.reference import per_shard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one is enough: [0, 0])")
@@ -311,7 +311,7 @@ def test_workers_follow_tf32_and_cudnn_settings(wrap):
         torch.backends.cudnn.allow_tf32 = tf32
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
         model(torch.randn(4, 12, device=DEV))
-        seen = model.worker_states(lambda m: (torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()))
+        seen = model.worker_states(gpu_numerics)
         assert seen == [(tf32, "high" if tf32 else "highest")] * 2
 
 
@@ -380,7 +380,16 @@ def test_daemon_gpu_workers():
 
     from tests.conftest import wait_for
     from tests.helpers import run_script
-    from tests.test_daemon import cli, status
+    import json
+    import subprocess
+
+    from dpool._launch import worker_command
+
+    def cli(*args: str) -> subprocess.CompletedProcess:  # dpool-workers, installed or not (a GPU box's checkout)
+        return subprocess.run(worker_command("daemon", *args), capture_output=True, text=True, timeout=120)
+
+    def status(name: str) -> dict:
+        return json.loads(cli("status", "--name", name, "--json").stdout)
 
     name = "g" + uuid.uuid4().hex[:8]
     res = cli("start", "--name", name, "--device-ids", "0,0")
@@ -411,6 +420,9 @@ def test_daemon_gpu_workers():
                 torch.testing.assert_close(p, q, **TOL)
             model.close()
 
+        ref = MLP().to(DEV)  # the reference's first matmuls here allocate cuBLAS workspaces we keep
+        ref(torch.randn(4, 12, device=DEV)).pow(2).mean().backward()
+        del ref
         base = _gpu_memory()
         exports, releases = _cuda.STATS["exports"], _cuda.STATS["releases"]
         train()

@@ -135,6 +135,14 @@ def main() -> None:
     except RuntimeError:
         pass
 
+    if str(boot["device"]).startswith("cuda"):
+        import warnings
+
+        # Our backward runs on autograd's device thread, whose first cuBLAS call finds no current
+        # context and makes the primary one current itself; the warning it prints says nothing the
+        # user can act on (it would reach the coordinator's stderr once per worker).
+        warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
+
     from dpool import protocol as P  # noqa: F401  (imported before freezing)
     from dpool.shm import attach
 
