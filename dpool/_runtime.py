@@ -19,7 +19,6 @@ import logging
 import os
 import sys
 import threading
-import warnings
 import weakref
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -35,7 +34,6 @@ from .config import Config
 from .errors import (
     DpoolValueError,
     ModelChangedError,
-    RemoteError,
     UnpicklableModelError,
     UnsupportedError,
     WorkerDiedError,

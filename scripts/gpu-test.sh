@@ -27,6 +27,10 @@ if [ -n "$missing" ]; then
   fi
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The worker package installs as dpool_workers; a checkout gets the name through a link (tests run
+# `python -m dpool_workers.daemon`).
+links=${DPOOL_SITE:-/tmp/dpool-site}-links
+mkdir -p "$links" && ln -sfn "$PWD/workers" "$links/dpool_workers"
+export PYTHONPATH="$PWD:$links${PYTHONPATH:+:$PYTHONPATH}"
 if [ $# -eq 0 ]; then set -- tests/test_cuda.py; fi
 "$PY" -m pytest -p no:cacheprovider "$@"

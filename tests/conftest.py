@@ -66,8 +66,18 @@ def assert_no_leaks(before_children: set[int] = frozenset(), before_shm: set[str
                              f"file descriptors {new_fds()} / socket files {sorted(dpool_sockets() - before_socks)}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cuda_driver_opened():
+    """On a machine with a GPU: start CUDA once, first. The driver's files (/dev/nvidia*, its eventfd,
+    pipes and socket) stay open for the process's life from the first CUDA call, wherever a test
+    makes it; they are not a test's leak."""
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")
+    yield
+
+
 @pytest.fixture(autouse=True)
-def no_leaks():
+def no_leaks(cuda_driver_opened):
     """Fail the test if it leaves a child process, a dpool /dev/shm segment, a file descriptor or a
     coordinator socket file behind."""
     yield from leak_check()

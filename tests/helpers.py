@@ -9,6 +9,9 @@ import textwrap
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# PYTHONPATH for child processes: this checkout first, then whatever the environment adds (a GPU
+# machine's offline site of dependencies, see scripts/gpu-test.sh).
+PYPATH = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def run_script(code: str, timeout: float = 90.0, cwd: str | None = None, env: dict | None = None,

@@ -11,7 +11,6 @@ import copy
 import gc
 import os
 import signal
-import threading
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 import dpool
 from dpool import _cuda
 from tests.helpers import run_scripts
-from tests.models import CNN, MLP, Faulty, batch, gpu_numerics, loss_of, make
+from tests.models import CNN, MLP, batch, gpu_numerics, loss_of, make
 from tests.reference import per_shard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one is enough: [0, 0])")

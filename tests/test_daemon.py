@@ -15,13 +15,13 @@ import torch
 
 import dpool
 from tests.conftest import wait_for
-from tests.helpers import ROOT, run_script
+from tests.helpers import PYPATH, ROOT, run_script
 
 pytestmark = pytest.mark.slow
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=PYPATH)
     return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
@@ -265,7 +265,7 @@ print("ATTACHED", flush=True)
 
 def test_one_client_at_a_time_and_clean_handover_after_sigkill(pool_name):
     holder = subprocess.Popen([sys.executable, "-c", HOLD.format(name=pool_name, then="time.sleep(60)")],
-                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=PYPATH))
     try:
         assert holder.stdout.readline().strip() == "ATTACHED"
         with pytest.raises(dpool.WorkerStartError, match=f"in use by pid {holder.pid}"):
@@ -414,7 +414,7 @@ def test_list_version_and_status_without_name(tmp_path):
     """Anchors: docker ps, systemctl. A private runtime dir makes this pool the only one."""
     import tomllib
 
-    env = dict(os.environ, PYTHONPATH=ROOT, XDG_RUNTIME_DIR=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=PYPATH, XDG_RUNTIME_DIR=str(tmp_path))
 
     def run(*args):
         return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,

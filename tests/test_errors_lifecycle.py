@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -268,10 +267,10 @@ def test_forgetting_close_leaves_no_resource_warning():
     import sys
     import textwrap
 
-    from tests.helpers import ROOT
+    from tests.helpers import PYPATH, ROOT
 
     res = subprocess.run([sys.executable, "-X", "dev", "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                         timeout=90, cwd=ROOT, env=dict(__import__("os").environ, PYTHONPATH=ROOT))
+                         timeout=90, cwd=ROOT, env=dict(__import__("os").environ, PYTHONPATH=PYPATH))
     assert res.returncode == 0 and "DONE" in res.stdout, res.stderr[-2000:]
     assert "ResourceWarning" not in res.stderr, res.stderr[-2000:]
 

@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 
-from tests.helpers import ROOT
+from tests.helpers import PYPATH, ROOT
 
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=PYPATH)
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 

@@ -188,7 +188,7 @@ def test_l3_whole_session_killed_then_next_wrap_sweeps():
     import subprocess
     import sys
 
-    from tests.helpers import ROOT
+    from tests.helpers import PYPATH
 
     code = ("import os, signal, torch, dpool\n"
             "m = dpool.wrap(torch.nn.Linear(2, 2), ['cpu', 'cpu'])\n"
@@ -196,7 +196,7 @@ def test_l3_whole_session_killed_then_next_wrap_sweeps():
             "open(os.environ['STALE'], 'wb').write(b'x' * 4096)  # a leftover from the creation window\n"
             "os.killpg(0, signal.SIGKILL)\n")
     stale = f"/dev/shm/dpool-{os.getuid()}-999999-deadbeef-1"
-    env = dict(os.environ, PYTHONPATH=ROOT, STALE=stale)
+    env = dict(os.environ, PYTHONPATH=PYPATH, STALE=stale)
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert os.path.exists(stale)

@@ -11,7 +11,7 @@ from torch import nn
 
 import dpool
 from tests import models
-from tests.reference import per_shard, split
+from tests.reference import split
 
 
 def test_checkpoints_load_both_ways(wrap, tmp_path):

@@ -20,7 +20,7 @@ import torch
 import dpool
 from dpool.daemon_client import runtime_dir
 from tests.conftest import dpool_segments, wait_for
-from tests.helpers import ROOT, run_script, run_scripts
+from tests.helpers import PYPATH, ROOT, run_script, run_scripts
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ print("RESULT " + json.dumps(out))
 def test_forked_child_fails_fast_and_parent_pool_stays_usable():
     # Not run_script: its faulthandler watchdog makes a forked child hang at exit (a CPython limit).
     res = subprocess.run([sys.executable, "-c", FORK], capture_output=True, text=True, timeout=90, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+                         env=dict(os.environ, PYTHONPATH=PYPATH))
     r = _result(res)
     assert r["child_exit"] == 0  # ForkedChildError within a second, then a clean exit
     assert "ForkedChildError" in r["loader"] and "forked child" in r["loader"]
@@ -151,7 +151,7 @@ def test_socket_files_removed_at_exit_sigterm_and_swept():
     me, *workers = _pids(res.stdout)
     assert _sockets_of(me) == [] and _segments_of(me) == []
     # SIGTERM (no handler): the workers see their coordinator die and remove its socket file
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=PYPATH)
     proc = subprocess.Popen([sys.executable, "-c", EXIT_NO_CLOSE.format(then="import time; time.sleep(60)")],
                             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     me, *workers = _pids(proc.stdout.readline())
@@ -283,7 +283,7 @@ def test_wrapping_a_bound_module_again_never_binds_two_pools():
 # ------------------------------------------------------------------------------------------ daemon
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+                          timeout=120, env=dict(os.environ, PYTHONPATH=PYPATH), cwd=ROOT)
 
 
 def test_daemon_stop_during_a_client_run_and_client_killed_while_attaching():
@@ -317,7 +317,7 @@ def test_daemon_stop_during_a_client_run_and_client_killed_while_attaching():
         except dpool.DaemonLostError as e:
             print("LOST", round(time.monotonic() - t, 2), str(e).splitlines()[0], flush=True)
         """
-        env = dict(os.environ, PYTHONPATH=ROOT)
+        env = dict(os.environ, PYTHONPATH=PYPATH)
         import textwrap
 
         client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import resource
-import warnings
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
 
