@@ -39,14 +39,15 @@ NOTE [ CUDA ownership ]
 """
 from __future__ import annotations
 
+import collections
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ._launch import visible_device, client_device  # noqa: F401  (re-exported)
 
-__all__ = ["Arena", "Imported", "STATS", "release", "drop_imports", "visible_device", "client_device", "sticky_error", "standalone",
+__all__ = ["Arena", "Imported", "STATS", "check_free_memory", "shortfall", "memory_report", "release", "drop_imports", "visible_device", "client_device", "sticky_error", "standalone",
            "backend_flags", "apply_backend_flags"]
 
 # Counts of this process's IPC work: exports (coordinator), imports (worker), releases (coordinator).
@@ -227,3 +228,55 @@ def sticky_error(exc: BaseException) -> bool:
     """Whether ``exc`` leaves this process's CUDA context unusable (every later CUDA call fails)."""
     text = str(exc)
     return isinstance(exc, RuntimeError) and "CUDA error" in text and any(s in text for s in _STICKY)
+
+
+# About what a worker's CUDA context takes before it holds a tensor (lazy module loading; measured
+# 0.3-0.5 GiB on an H100): the preflight check counts it, the error says "about".
+CONTEXT_BYTES = 300 << 20
+_GiB = float(1 << 30)
+
+
+def shortfall(devices: Sequence[str], model_bytes: int, free: dict[str, tuple[int, int]], spawn: bool) -> str | None:
+    """What :func:`check_free_memory` would refuse, from given ``free[device] = (free, total)`` bytes.
+
+    Per GPU, dpool itself needs for each of its workers a state arena (gradient slots and private
+    buffers: ``model_bytes``), a replica arena when the worker is not on the master's GPU, and its
+    CUDA context when it is a new process (``spawn``); plus the master's arena on ``devices[0]``
+    (the master's own storage is freed when it moves there). Activations come on top.
+    """
+    counts = collections.Counter(devices)
+    problems = []
+    for dev, n in counts.items():
+        per_worker = model_bytes * (1 if dev == devices[0] else 2) + (CONTEXT_BYTES if spawn else 0)
+        need = n * per_worker
+        have, total = free[dev]
+        if need > have:
+            problems.append(
+                f"{dev} has {have / _GiB:.2f} GiB free of {total / _GiB:.1f} GiB, and its {n} worker(s) need about "
+                f"{need / _GiB:.2f} GiB before any activation ({per_worker / _GiB:.2f} GiB each: "
+                + ("its CUDA context, " if spawn else "") + f"{model_bytes / _GiB:.3f} GiB of gradient slots"
+                + (" and a parameter replica" if dev != devices[0] else "") + ")")
+    if not problems:
+        return None
+    return ("not enough free GPU memory to start the workers: " + "; ".join(problems) + ". Free memory on those "
+            "GPUs (nvidia-smi lists the processes holding it; torch.cuda.empty_cache() in this process), or run "
+            "fewer workers per GPU.")
+
+
+def check_free_memory(devices: Sequence[str], model_bytes: int, spawn: bool) -> None:
+    """Refuse to start workers on GPUs that cannot hold them (:func:`shortfall`), before any starts."""
+    from .errors import WorkerStartError
+
+    free = {dev: torch.cuda.mem_get_info(torch.device(dev)) for dev in set(devices)}
+    problem = shortfall(devices, model_bytes, free, spawn)
+    if problem is not None:
+        raise WorkerStartError(problem)
+
+
+def memory_report(devices: Sequence[str]) -> str:
+    """Free and total memory of each GPU of ``devices`` now, and how many workers share it."""
+    parts = []
+    for dev, n in collections.Counter(devices).items():
+        have, total = torch.cuda.mem_get_info(torch.device(dev))
+        parts.append(f"{dev}: {have / _GiB:.2f} GiB free of {total / _GiB:.1f} GiB, {n} worker(s)")
+    return "; ".join(parts)

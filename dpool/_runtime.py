@@ -256,6 +256,10 @@ class Runtime:
 
     def _start(self) -> None:
         pool = self.pool
+        if self.cuda:  # fail fast, with each GPU's numbers, rather than with an OOM inside a worker
+            from ._cuda import check_free_memory
+
+            check_free_memory(self.devices, Layout(self.params, self.buffers).size, spawn=pool.attach is None)
         # Workers map the parameters through an inherited fd, so the name can go at once
         # (and a respawned worker can still map them).
         self._bind_master(unlink=pool.attach is None)  # attached (daemon) workers map it by name
@@ -585,6 +589,12 @@ class Runtime:
             message += (f"\n(dpool: the batch was split into shards of {self._last_rows} rows, and BatchNorm cannot "
                         "train on a one-row shard. Use DataLoader(..., drop_last=True), a batch of at least 2 rows "
                         "per worker, or fewer workers.)")
+        if r.qualname == "OutOfMemoryError" and self.cuda:
+            from ._cuda import memory_report
+
+            message += (f"\n(dpool: {memory_report(self.devices)}. Each worker holds its shard's activations: use a "
+                        "smaller batch, fewer workers per GPU, or free memory first: torch.cuda.empty_cache() here, "
+                        "other processes per nvidia-smi.)")
         # raised without a local name: a local would tie the exception to this frame's locals (the
         # I/O segments among them) in a cycle that only the GC frees
         raise remote_error(r.module, r.qualname, message, r.traceback, worker=i, device=w.device, pid=w.pid,

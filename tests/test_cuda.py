@@ -359,6 +359,19 @@ def test_restart_after_worker_death_and_checkpoint(wrap):
     torch.testing.assert_close(model(x), before)
 
 
+def test_preflight_refuses_a_gpu_without_room_for_the_workers():
+    """Run alone (it takes nearly all of the GPU): a clear error before any worker starts."""
+    base = _gpu_memory()
+    free, _ = torch.cuda.mem_get_info(0)
+    hog = torch.empty(free - (200 << 20), dtype=torch.uint8, device=DEV)  # 200 MiB left: less than two contexts
+    try:
+        with pytest.raises(dpool.WorkerStartError, match=r"not enough free GPU memory.*cuda:0 has .*2 worker\(s\)"):
+            dpool.wrap(MLP().to(DEV), IDS)
+    finally:
+        del hog
+    assert _gpu_memory() == base
+
+
 # ---------------------------------------------------------------------- the dpool-workers daemon on a GPU
 DAEMON_CLIENT_DIES = """
 import os, signal, torch, dpool
@@ -567,6 +580,7 @@ try:
     model(x, mode="oom"); print("NO ERROR")
 except torch.OutOfMemoryError as e:
     assert isinstance(e, dpool.RemoteError) and "worker" in str(e), e
+    assert "cuda:0: " in str(e) and "GiB free of" in str(e) and "2 worker(s)" in str(e), e
 torch.testing.assert_close(model(x), good)
 del x, good
 model.close()

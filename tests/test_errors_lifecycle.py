@@ -291,3 +291,20 @@ def test_scalar_gather_warning_points_at_the_users_line(wrap):
     with pytest.warns(UserWarning, match="all input tensors were scalars") as record:
         model(torch.randn(4, 2, requires_grad=True)); line = inspect.currentframe().f_lineno  # noqa: E702
     assert [(w.filename, w.lineno) for w in record] == [(__file__, line)]
+
+
+def test_gpu_preflight_arithmetic_and_message():
+    """The free-memory preflight of GPU workers (its numbers come from torch.cuda.mem_get_info on a
+    GPU; tests/test_cuda.py runs it for real). Here: what it counts, and what it says."""
+    from dpool._cuda import CONTEXT_BYTES, shortfall
+
+    GiB = 1 << 30
+    free = {"cuda:0": (80 * GiB, 80 * GiB), "cuda:1": (80 * GiB, 80 * GiB)}
+    assert shortfall(["cuda:0", "cuda:0", "cuda:1"], GiB, free, spawn=True) is None
+    # two workers on the master's GPU: a gradient arena and a context each; on another GPU a replica too
+    tight = {"cuda:0": (2 * (GiB + CONTEXT_BYTES) - 1, 80 * GiB), "cuda:1": (2 * GiB + CONTEXT_BYTES, 80 * GiB)}
+    msg = shortfall(["cuda:0", "cuda:0", "cuda:1"], GiB, tight, spawn=True)
+    assert msg is not None and msg.count(" has ") == 1 and "cuda:0 has" in msg and "2 worker(s)" in msg
+    assert "nvidia-smi" in msg and "fewer workers per GPU" in msg
+    # attached (daemon) workers already have their contexts
+    assert shortfall(["cuda:0", "cuda:0", "cuda:1"], GiB, tight, spawn=False) is None
