@@ -459,3 +459,17 @@ def test_steps_served_is_live_and_the_log_is_timestamped(pool_name):
     text = "\n".join(lines)
     assert "starting 2 worker(s)" in text and "ready: 2 worker(s)" in text
     assert f"client {os.getpid()} attached" in text and f"client {os.getpid()} detached" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_device_ids_without_a_gpu_are_a_usage_error():
+    """`--device-ids 0,0` follows wrap()'s rules (dpool.devices): no GPU here, so exit 2 and say why."""
+    name = "t" + uuid.uuid4().hex[:8]
+    res = cli("start", "--name", name, "--device-ids", "0,0")
+    assert res.returncode == 2 and "name GPUs, but torch sees none" in res.stderr, res.stderr
+    assert cli("status", "--name", name).returncode == 3  # nothing was started
+    from dpool.daemon_client import runtime_dir
+
+    assert not os.path.exists(os.path.join(runtime_dir(), "pools", name))  # nor created
+    res = cli("start", "--name", name, "--device-ids", "cpu,tpu")
+    assert res.returncode == 2 and "'tpu' is not a device" in res.stderr, res.stderr

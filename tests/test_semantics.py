@@ -296,18 +296,18 @@ def test_master_survives_close(wrap):
 
 
 def test_device_ids_parsing():
-    from dpool.data_parallel import _parse_devices
+    from dpool.devices import parse_devices
 
-    assert _parse_devices(["cpu", torch.device("cpu")]) == ["cpu", "cpu"]
-    assert _parse_devices([0, "cuda:1"]) == ["cuda:0", "cuda:1"]
+    assert parse_devices(["cpu", torch.device("cpu")]) == ["cpu", "cpu"]
+    assert parse_devices([0, "cuda:1"]) == ["cuda:0", "cuda:1"]
     if not torch.cuda.is_available():
         import psutil
 
-        assert _parse_devices(None) == ["cpu"] * psutil.cpu_count(logical=False)
+        assert parse_devices(None) == ["cpu"] * psutil.cpu_count(logical=False)
     with pytest.raises(TypeError):
-        _parse_devices("cpu")
+        parse_devices("cpu")
     with pytest.raises(ValueError):
-        _parse_devices([])
+        parse_devices([])
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="name GPUs, but torch sees none"):
             dpool.wrap(nn.Linear(2, 2), [0, 1])

@@ -421,17 +421,26 @@ def _devices(text: str | None) -> list[str]:
     parts = [t.strip() for t in (text or "").split(",") if t.strip()]
     if parts and all(p == "cpu" for p in parts):
         return parts  # without importing torch here (seconds): the daemon process imports it anyway
-    from dpool.data_parallel import _parse_devices
+    from dpool.devices import parse_devices
 
     if not text:
-        return _parse_devices(None)
-    return _parse_devices([int(t) if t.strip().isdigit() else t.strip() for t in text.split(",")])
+        return parse_devices(None)
+    return parse_devices([int(t) if t.strip().isdigit() else t.strip() for t in text.split(",")])
 
 
 def cmd_start(a: argparse.Namespace) -> int:
     try:
         listen = parse_listen(a.listen) if a.listen is not None else None
     except ValueError as exc:
+        print(f"dpool-workers: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:  # wrap()'s rules (dpool.devices), before anything is created
+        devices = _devices(a.device_ids)
+        if any(d != "cpu" for d in devices):
+            from dpool.devices import check_devices
+
+            check_devices(devices)
+    except (ValueError, TypeError) as exc:  # DpoolValueError, DpoolTypeError
         print(f"dpool-workers: {exc}", file=sys.stderr)
         return EXIT_USAGE
     path = pool_dir(a.name, create=True)
@@ -444,16 +453,6 @@ def cmd_start(a: argparse.Namespace) -> int:
         print(f"dpool-workers: a pool named {a.name!r} is already running (pid {pid}); "
               f"stop it with: dpool-workers stop --name {a.name}", file=sys.stderr)
         return EXIT_ALREADY_RUNNING
-    devices = _devices(a.device_ids)
-    if any(d != "cpu" for d in devices):
-        from dpool.data_parallel import _check_devices
-        from dpool.errors import DpoolError
-
-        try:
-            _check_devices(devices, None, None)
-        except DpoolError as exc:
-            print(f"dpool-workers: {exc}", file=sys.stderr)
-            return EXIT_USAGE
     import psutil
 
     threads = a.threads or max(1, (psutil.cpu_count(logical=False) or 1) // len(devices))
