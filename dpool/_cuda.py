@@ -35,7 +35,8 @@ NOTE [ CUDA ownership ]
   replies. The coordinator never waits on a worker's GPU work, so a dead or hung
   worker cannot wedge the trainer's CUDA streams.
 * Each worker sees only its own GPU (``CUDA_VISIBLE_DEVICES``, translated through
-  the coordinator's own setting): export tuples name device 0 there.
+  the coordinator's own setting by :func:`dpool._launch.visible_device`): export
+  tuples name device 0 there.
 """
 from __future__ import annotations
 
@@ -45,10 +46,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ._launch import visible_device, client_device  # noqa: F401  (re-exported)
-
-__all__ = ["Arena", "Imported", "STATS", "check_free_memory", "shortfall", "memory_report", "release", "drop_imports", "visible_device", "client_device", "sticky_error", "standalone",
-           "backend_flags", "apply_backend_flags"]
+__all__ = ["Arena", "Imported", "STATS", "check_free_memory", "shortfall", "memory_report", "release", "drop_imports",
+           "sticky_error", "standalone", "backend_flags", "apply_backend_flags"]
 
 # Counts of this process's IPC work: exports (coordinator), imports (worker), releases (coordinator).
 STATS = {"exports": 0, "imports": 0, "releases": 0}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Callable
 
 __all__ = ["SEGMENT_NAME", "SOCKET_NAME", "sweep", "sweep_sockets", "sweep_cuda_counters"]
 
@@ -25,15 +26,24 @@ def sweep(directory: str = "/dev/shm", pattern: re.Pattern = SEGMENT_NAME) -> li
     """
     import psutil
 
-    removed = []
     uid = str(os.getuid())
+
+    def dead_owner(name: str) -> bool:
+        m = pattern.match(name)
+        return bool(m) and m.group(1) == uid and not psutil.pid_exists(int(m.group(2)))
+
+    return _unlink_where(directory, dead_owner)
+
+
+def _unlink_where(directory: str, chosen: Callable[[str], bool]) -> list[str]:
+    """Unlink the files of ``directory`` whose name is ``chosen``; return the names removed."""
+    removed = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
     for name in names:
-        m = pattern.match(name)
-        if not m or m.group(1) != uid or psutil.pid_exists(int(m.group(2))):
+        if not chosen(name):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -56,16 +66,4 @@ def sweep_cuda_counters(pid: int, directory: str = "/dev/shm") -> list[str]:
     pid may still be a zombie): the file is theirs to clean, and nobody can open it by name any more
     (only its dead owner handed it out).
     """
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        if name.startswith(f"torch_{pid}_"):
-            try:
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
+    return _unlink_where(directory, lambda name: name.startswith(f"torch_{pid}_"))
