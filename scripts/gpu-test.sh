@@ -9,6 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+site=${DPOOL_SITE:-/tmp/dpool-site}
+# An earlier run's install is reused.
+if [ -d "$site" ]; then export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"; fi
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'this script is for machines with a GPU'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))"
 missing=$("$PY" - <<'PY'
 import importlib.util
@@ -19,17 +22,16 @@ PY
 )
 if [ -n "$missing" ]; then
   wheels=${DPOOL_WHEELS:-.whl}
-  site=${DPOOL_SITE:-/tmp/dpool-site}
   if [ -d "$wheels" ]; then
     "$PY" -m pip install -q --no-index --find-links "$wheels" --target "$site" $missing
   else
     "$PY" -m pip install -q --target "$site" $missing
   fi
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  case ":${PYTHONPATH:-}:" in *":$site:"*) ;; *) export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ;; esac
 fi
 # The worker package installs as dpool_workers; a checkout gets the name through a link (tests run
 # `python -m dpool_workers.daemon`).
-links=${DPOOL_SITE:-/tmp/dpool-site}-links
+links=$site-links
 mkdir -p "$links" && ln -sfn "$PWD/workers" "$links/dpool_workers"
 export PYTHONPATH="$PWD:$links${PYTHONPATH:+:$PYTHONPATH}"
 if [ $# -eq 0 ]; then set -- tests/test_cuda.py; fi

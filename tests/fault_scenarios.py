@@ -43,7 +43,7 @@ class Victim(nn.Module):
         elif code == 3:  # progress hang with the GIL released
             time.sleep(3600)
         elif code == 4:
-            bytearray(1 << 46)  # 64 TiB: MemoryError
+            bytearray(1 << 60)  # 1 EiB, beyond any x86-64 address space: MemoryError even with overcommit
         elif code == 5:
             return _Unpicklable()
         elif code == 7:

@@ -73,3 +73,12 @@ def assert_unchanged(before: dict, after: dict) -> None:
             for n, v in before["opt"][k].items():
                 w = after["opt"][k][n]
                 assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
+
+
+def dataparallel(module: torch.nn.Module) -> torch.nn.DataParallel:
+    """``nn.DataParallel(module)`` for its state_dict layout, with ``module`` left on the CPU.
+
+    With exactly one visible GPU, DataParallel's constructor moves the module to it; the CPU tests
+    compare against that module afterwards, so it goes back.
+    """
+    return torch.nn.DataParallel(module).cpu()

@@ -11,6 +11,7 @@ from torch import nn
 
 import dpool
 from tests import models
+from tests.helpers import dataparallel
 from tests.reference import split
 
 
@@ -29,13 +30,13 @@ def test_checkpoints_load_both_ways(wrap, tmp_path):
     plain2 = models.make("cnn", seed=4)
     plain2.load_state_dict(model.module.state_dict())
     # dpool -> nn.DataParallel
-    dp = nn.DataParallel(models.make("cnn", seed=5))
+    dp = dataparallel(models.make("cnn", seed=5))
     dp.load_state_dict(model.state_dict())
     for other in (plain, plain2, dp.module):
         for a, b in zip(other.state_dict().values(), net.state_dict().values()):
             assert torch.equal(a, b)
     # plain keys and DataParallel keys -> dpool; the workers see the new values
-    for source in (models.make("cnn", seed=6).state_dict(), nn.DataParallel(models.make("cnn", seed=7)).state_dict()):
+    for source in (models.make("cnn", seed=6).state_dict(), dataparallel(models.make("cnn", seed=7)).state_dict()):
         model.load_state_dict(source)
         ref = models.make("cnn")
         ref.load_state_dict({k.removeprefix("module."): v for k, v in source.items()})

@@ -256,9 +256,9 @@ def test_sync_batchnorm_needs_no_numpy(tmp_path):
     (fake / "__init__.py").write_text("raise ModuleNotFoundError('numpy is not installed here (test)', name='numpy')\n")
     import os
 
-    from tests.helpers import ROOT
+    from tests.helpers import PYPATH
 
-    res = run_script(NO_NUMPY, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])})
+    res = run_script(NO_NUMPY, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), PYPATH])})
     assert res.returncode == 0 and "RESULT True True" in res.stdout, res.stdout + res.stderr[-3000:]
 
 

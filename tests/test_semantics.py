@@ -14,6 +14,7 @@ import dpool
 from dpool import protocol as P
 from dpool._scatter import even_sizes, plan
 from tests import models
+from tests.helpers import dataparallel
 
 
 class ShardInfo(nn.Module):
@@ -255,12 +256,12 @@ def test_state_dict_prefix_and_interop(wrap):
     model = wrap(net)
     sd = model.state_dict()
     assert all(k.startswith("module.") for k in sd)
-    assert sd.keys() == nn.DataParallel(copy.deepcopy(net)).state_dict().keys()
+    assert sd.keys() == dataparallel(copy.deepcopy(net)).state_dict().keys()
     assert list(model.parameters()) == list(net.parameters())
     assert dpool.unwrap(model) is net and dpool.is_wrapped(model) and dpool.wrap(model) is model
     # a checkpoint from nn.DataParallel loads into dpool, and values reach the workers
     other = models.make("cnn", seed=5)
-    model.load_state_dict(nn.DataParallel(other).state_dict())
+    model.load_state_dict(dataparallel(other).state_dict())
     model.eval()
     other.eval()
     (x,), _ = models.batch("cnn", 4)
