@@ -26,7 +26,7 @@ So it is a lower bound on the per-step cost of the design, not a product.
 The test suite checks that it computes the same training step as one process.
 
 It deliberately does not call dpool's codec (:mod:`dpool.protocol`) or segment
-code (:mod:`dpool.shm`): the point is to measure the design without dpool's
+code (:mod:`dpool.transport.shm`): the point is to measure the design without dpool's
 code. It shares only :func:`dpool.pool.worker_env`, the workers' process
 environment (thread counts, heap setting), so that the comparison is about
 the per-step path.

@@ -27,7 +27,6 @@ from .errors import GatherError, UnsupportedError
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
-    from .shm import Segment
 
 __all__ = ["Bridge", "CallState", "DoubleBridge", "DoubleState"]
 
@@ -52,7 +51,7 @@ class CallState:
     """What the coordinator knows about one forward call until its graph is released."""
 
     def __init__(self, runtime: "Runtime", call: int, k: int, groups: list[list[int]], metas: list[list],
-                 outs: list["Segment"], splits: list, gin_sizes: list[int], rg: list[bool],
+                 outs: list[Any], splits: list, gin_sizes: list[int], rg: list[bool],
                  shard_shapes: list[list[torch.Size]]) -> None:
         self.runtime = runtime
         self.call = call

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .errors import DpoolValueError
-from .shm import tensor_view
+from .transport import tensor_view
 
 __all__ = ["POLICIES", "BufferCommit"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._tensors import dense_strides, dtype_name, nbytes
-from .shm import align
+from .transport import align
 
 __all__ = ["Layout"]
 

@@ -27,7 +27,9 @@ import torch
 
 from . import _gather, _scatter, _tree
 from . import protocol as P
-from ._autograd import Bridge, CallState
+from ._autograd import Bridge, CallState, DoubleBridge, DoubleState
+from ._buffers import BufferCommit
+from ._criterion import ShardedOutput, build_output, combine
 from ._layout import Layout
 from ._tensors import DTYPES, Placer, dense_strides, dtype_name, meta_nbytes as _meta_bytes, nbytes, read
 from .config import Config
@@ -41,8 +43,10 @@ from .errors import (
     WorkerTimeoutError,
     remote_error,
 )
+from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
 from .pool import Pool
-from .shm import Segment, check_free, sweep
+from ._sweep import sweep
+from .transport.shm import Segment, check_free
 
 __all__ = ["Runtime"]
 
@@ -257,8 +261,6 @@ class Runtime:
     def _start(self) -> None:
         pool = self.pool
         if self.cuda:  # fail fast, with each GPU's numbers, rather than with an OOM inside a worker
-            from ._cuda import check_free_memory
-
             check_free_memory(self.devices, Layout(self.params, self.buffers).size, spawn=pool.attach is None)
         # Workers map the parameters through an inherited fd, so the name can go at once
         # (and a respawned worker can still map them).
@@ -271,7 +273,7 @@ class Runtime:
     def _bind_master(self, unlink: bool) -> None:
         """Lay the master's parameters and buffers out in a new shared segment and rebind them to it."""
         layout = self.layout = Layout(self.params, self.buffers)
-        # on a GPU: the master arena, exported to each worker on the master's GPU (see dpool._cuda)
+        # on a GPU: the master arena, exported to each worker on the master's GPU (see dpool.transport.cuda_ipc)
         self.master = self.pool.new_segment(layout.size, min_size=64, keep_fd=not self.cuda, device=self.devices[0])
         if unlink:
             self.master.unlink()
@@ -286,8 +288,6 @@ class Runtime:
             v = self.master.standalone(off, b.dtype, b.shape)
             v.copy_(b.detach())
             self.buffer_views.append(v)
-        from ._buffers import BufferCommit
-
         self._buffers = BufferCommit(self.buffer_policy, self.module, self.buffers, layout.buffer_offsets,
                                      self.buffer_views)
         with torch.no_grad():
@@ -590,8 +590,6 @@ class Runtime:
                         "train on a one-row shard. Use DataLoader(..., drop_last=True), a batch of at least 2 rows "
                         "per worker, or fewer workers.)")
         if r.qualname == "OutOfMemoryError" and self.cuda:
-            from ._cuda import memory_report
-
             message += (f"\n(dpool: {memory_report(self.devices)}. Each worker holds its shard's activations: use a "
                         "smaller batch, fewer workers per GPU, or free memory first: torch.cuda.empty_cache() here, "
                         "other processes per nvidia-smi.)")
@@ -690,8 +688,6 @@ class Runtime:
         state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
         state.input_devices = [t.device for t in diff_inputs]
         if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
-            from ._criterion import ShardedOutput
-
             handle = ShardedOutput(self, state, specs, diff_inputs)
             self._live[call] = weakref.ref(handle)
             for s in range(k):
@@ -733,8 +729,6 @@ class Runtime:
     @_one_call_at_a_time
     def criterion(self, handle: Any, crit: Any, targets: tuple) -> torch.Tensor:
         """Compute ``crit`` on every shard of ``handle`` (see :mod:`dpool._criterion`)."""
-        from ._criterion import combine
-
         pool, state = self.pool, handle._state
         pool.check_usable()
         if state.call <= self._epoch_call or state.call not in self._live:
@@ -764,8 +758,6 @@ class Runtime:
     @_one_call_at_a_time
     def gather_kept(self, handle: Any) -> Any:
         """Gather outputs kept on the workers, through the autograd bridge."""
-        from ._criterion import build_output
-
         state = handle._state
         self.pool.check_usable()
         if state.call <= self._epoch_call or state.call not in self._live:
@@ -840,8 +832,6 @@ class Runtime:
         out = input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
         if not create_graph:
             return out
-        from ._autograd import DoubleBridge, DoubleState
-
         # the gradients' graph lives on the workers as call `keep`; its input regions must outlive it
         for s in range(state.k):
             span = self._regions[s].get(state.call)
@@ -934,8 +924,6 @@ class Runtime:
     # ------------------------------------------------------------------ misc
     def _follow_backend_flags(self) -> None:
         """Give the workers this process's TF32 and cuDNN settings when they changed (or after a restart)."""
-        from ._cuda import apply_backend_flags, backend_flags
-
         flags = backend_flags()
         if flags != self._sent_flags:
             self.call_workers(functools.partial(apply_backend_flags, flags))

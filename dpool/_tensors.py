@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .errors import DpoolTypeError
-from .shm import align
+from .transport import align
 
 __all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer", "to_bytes", "from_bytes", "dense_strides"]
 

@@ -14,6 +14,7 @@ import psutil
 import torch
 from torch import nn
 
+from ._runtime import Runtime
 from .config import Config
 from .devices import DeviceLike, check_devices, parse_devices, pool_devices
 from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError
@@ -147,8 +148,6 @@ class DataParallel(nn.DataParallel):
         cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
         threads = worker_threads or max(1, cores // len(devices))
         self._saved_threads = torch.get_num_threads()
-        from ._runtime import Runtime
-
         self._runtime: Runtime | None = None
         self._close_lock = threading.Lock()
         self._owner_thread = threading.get_ident()

@@ -48,7 +48,7 @@ name it knows of and calls ``os._exit``, within milliseconds. Workers ignore
 SIGINT, so Ctrl-C in a terminal reaches only the coordinator, which then
 closes the pool.
 
-*Shared memory.* See :mod:`dpool.shm`: names are unlinked as soon as every
+*Shared memory.* See :mod:`dpool.transport.shm`: names are unlinked as soon as every
 worker has mapped them, so no crash leaves a name behind, and ``wrap()``
 sweeps names whose owner pid is dead.
 
@@ -92,7 +92,8 @@ from ._tensors import from_bytes, to_bytes
 from .daemon_client import locate, read_pool, request, runtime_dir
 from ._launch import WORKER_MALLOC_KEEP, visible_device, worker_command, worker_env, worker_package_dir  # noqa: F401
 from ._sweep import sweep_sockets
-from .shm import Segment, segment_prefix
+from .transport import cuda_ipc, new_region
+from .transport.shm import Segment, segment_prefix
 
 __all__ = ["Pool", "runtime_dir", "worker_command", "worker_env"]
 
@@ -127,7 +128,7 @@ class _Worker:
         self.threads: list[threading.Thread] = []
         self.alive = True
         self.seq_in = -1
-        self.exports: list = []  # CUDA IPC reference-counter slots this process imported (see dpool._cuda)
+        self.exports: list = []  # CUDA IPC reference-counter slots this process imported (see dpool.transport.cuda_ipc)
 
     def where(self) -> str:
         return f"worker {self.index} ({self.device}, pid {self.pid})"
@@ -328,20 +329,17 @@ class Pool:
                     owner: int | None = None) -> Any:
         """Create a segment of at least ``size`` bytes, tracked for unlinking on close.
 
-        On a GPU ``device`` it is a :class:`dpool._cuda.Arena` there, exported to worker ``owner``
-        (``None``: to each worker that :meth:`~dpool._cuda.Arena.ref` names).
+        On a GPU ``device`` it is a :class:`dpool.transport.cuda_ipc.Arena` there, exported to worker ``owner``
+        (``None``: to each worker that :meth:`~dpool.transport.cuda_ipc.Arena.ref` names).
         """
         size = max(size, min_size)
         size = 1 << (size - 1).bit_length()  # grow in powers of two
         self._seg_counter += 1  # names are never reused: workers cache mappings by name
-        if device != "cpu":
-            from ._cuda import Arena
-
-            return Arena(f"{self.prefix}-{self._seg_counter}", size, torch.device(device),
-                         self.workers[owner] if owner is not None else None)
-        seg = Segment(self.config.shm_dir, f"{self.prefix}-{self._seg_counter}", size, keep_fd=keep_fd)
-        self._segments.append(seg)
-        return seg
+        region = new_region(torch.device(device), self.config.shm_dir, f"{self.prefix}-{self._seg_counter}", size,
+                            self.workers[owner] if owner is not None else None, keep_fd=keep_fd)
+        if isinstance(region, Segment):  # a name in /dev/shm, unlinked at close (a GPU arena has none)
+            self._segments.append(region)
+        return region
 
     def event_handle(self, idx: int) -> bytes | None:
         """The IPC handle of the event worker ``idx`` waits on before it reads what we wrote (``None`` on CPU).
@@ -777,14 +775,12 @@ class Pool:
             pass  # the daemon is gone, or will notice our exit through our pidfd
 
     def _settle_cuda_exports(self, told: set[int]) -> None:
-        """Our GPU arenas' IPC counters held by daemon workers (see NOTE [ CUDA ownership ] in dpool._cuda).
+        """Our GPU arenas' IPC counters held by daemon workers (see NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc).
 
         A worker told to shut down frees its imports, then answers ``detached``: its slots are back at
         zero. The slots of a worker that died first are ours to release. A worker that neither answers
         nor exits keeps its slots, so the memory it may still map is never reused.
         """
-        from ._cuda import release
-
         waiting = {i for i in told if self.workers[i].exports}
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         while waiting and time.monotonic() < deadline:
@@ -799,7 +795,7 @@ class Pool:
             if not w.exports:
                 continue
             if self._exited(w):
-                release(w.exports)
+                cuda_ipc.release(w.exports)
             else:
                 log.warning("%s did not give back its CUDA mappings of this process's memory within %gs; that memory "
                             "stays allocated until this process exits", w.where(), self.config.shutdown_timeout_s)
@@ -885,9 +881,7 @@ def _kill_and_join(w: _Worker) -> None:
         proc.wait()
     w.alive = False
     if w.exports and proc is not None:  # our child is gone: its CUDA IPC counters are ours to release, once
-        from ._cuda import release
-
-        release(w.exports)
+        cuda_ipc.release(w.exports)
 
 
 def _reap(owner: int, workers: list[_Worker], segments: list[Segment], sock_path: str, sock: Any,

@@ -18,7 +18,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import dpool
-from dpool import _cuda
+from dpool.transport import cuda_ipc
 from tests.helpers import run_scripts
 from tests.models import CNN, MLP, batch, gpu_numerics, loss_of, make
 from tests.reference import per_shard
@@ -64,10 +64,10 @@ def test_gpu_memory_back_at_baseline_after_close():
         model.close()
 
     base = _gpu_memory()
-    exports, releases = _cuda.STATS["exports"], _cuda.STATS["releases"]
+    exports, releases = cuda_ipc.STATS["exports"], cuda_ipc.STATS["releases"]
     run()
     assert _gpu_memory() == base
-    assert _cuda.STATS["exports"] - exports == _cuda.STATS["releases"] - releases > 0
+    assert cuda_ipc.STATS["exports"] - exports == cuda_ipc.STATS["releases"] - releases > 0
 
 
 def _per_shard_buffers(module: nn.Module, x: torch.Tensor, k: int, policy: str) -> dict[str, torch.Tensor]:
@@ -276,21 +276,21 @@ def test_ipc_work_happens_once_not_per_step(wrap):
         opt.zero_grad()
 
     step(8)
-    exports = _cuda.STATS["exports"]
-    imports = model.worker_states(lambda m: __import__("dpool._cuda").
-                                  _cuda.STATS["imports"])
+    exports = cuda_ipc.STATS["exports"]
+    imports = model.worker_states(lambda m: __import__("dpool.transport.cuda_ipc").
+                                  transport.cuda_ipc.STATS["imports"])
     for _ in range(20):
         step(8)
-    assert _cuda.STATS["exports"] == exports
-    assert model.worker_states(lambda m: __import__("dpool._cuda")._cuda.STATS["imports"]) == imports
+    assert cuda_ipc.STATS["exports"] == exports
+    assert model.worker_states(lambda m: __import__("dpool.transport.cuda_ipc").transport.cuda_ipc.STATS["imports"]) == imports
     step(200_000)  # 4.8 MB of input per shard: the input region (1 MiB) grows once per worker
-    grown = _cuda.STATS["exports"] - exports
+    grown = cuda_ipc.STATS["exports"] - exports
     assert grown >= 2
-    after = model.worker_states(lambda m: __import__("dpool._cuda")._cuda.STATS["imports"])
+    after = model.worker_states(lambda m: __import__("dpool.transport.cuda_ipc").transport.cuda_ipc.STATS["imports"])
     assert [a - b for a, b in zip(after, imports)] == [grown // 2] * 2
     for _ in range(3):
         step(200_000)
-    assert _cuda.STATS["exports"] - exports == grown
+    assert cuda_ipc.STATS["exports"] - exports == grown
 
 
 @pytest.mark.parametrize("name", ["dict", "lstm"])
@@ -469,10 +469,10 @@ def test_daemon_gpu_workers():
         ref(torch.randn(4, 12, device=DEV)).pow(2).mean().backward()
         del ref
         base = _gpu_memory()
-        exports, releases = _cuda.STATS["exports"], _cuda.STATS["releases"]
+        exports, releases = cuda_ipc.STATS["exports"], cuda_ipc.STATS["releases"]
         train()
         # the workers freed their imports themselves (nothing for us to release) and our memory is back
-        assert _cuda.STATS["exports"] > exports and _cuda.STATS["releases"] == releases
+        assert cuda_ipc.STATS["exports"] > exports and cuda_ipc.STATS["releases"] == releases
         assert _gpu_memory() == base
         assert wait_for(lambda: status(name)["client_pid"] is None, timeout=10)
 

@@ -296,7 +296,7 @@ def test_scalar_gather_warning_points_at_the_users_line(wrap):
 def test_gpu_preflight_arithmetic_and_message():
     """The free-memory preflight of GPU workers (its numbers come from torch.cuda.mem_get_info on a
     GPU; tests/test_cuda.py runs it for real). Here: what it counts, and what it says."""
-    from dpool._cuda import CONTEXT_BYTES, shortfall
+    from dpool.gpu import CONTEXT_BYTES, shortfall
 
     GiB = 1 << 30
     free = {"cuda:0": (80 * GiB, 80 * GiB), "cuda:1": (80 * GiB, 80 * GiB)}

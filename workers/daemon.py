@@ -225,8 +225,6 @@ class Daemon:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
-        from dpool import protocol as P
-
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
         log.info("pool %r: starting %d worker(s) on %s (daemon pid %d)", self.name, len(self.workers),

@@ -27,7 +27,8 @@ import torch
 from dpool import _tree
 from dpool import protocol as P
 from dpool._tensors import DTYPES, Placer, check_tensor, meta_nbytes, read
-from dpool.shm import Mapped, attach
+from dpool.transport import attach
+from dpool.transport.shm import Mapped
 from dpool.sync_batchnorm import _set_collective
 
 
@@ -112,7 +113,7 @@ class Replica:
         self._training = b""
         self._requires_grad = b""
         # The coordinator's interprocess event: recorded before each request, waited on by our stream
-        # before we touch its memory (NOTE [ CUDA ownership ] in dpool._cuda).
+        # before we touch its memory (NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc).
         self.event: Any = None
         self._event_handle: bytes | None = None
         self._handlers = {

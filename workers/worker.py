@@ -144,7 +144,7 @@ def main() -> None:
         warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
 
     from dpool import protocol as P  # noqa: F401  (imported before freezing)
-    from dpool.shm import attach
+    from dpool.transport import attach
 
     from . import replica as _replica  # noqa: F401
 
@@ -195,7 +195,7 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
     import zmq
 
     from dpool import protocol as P
-    from dpool.shm import attach
+    from dpool.transport import attach
 
     index = int(boot["index"])
     steps_slot = None
@@ -239,7 +239,7 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
         known.clear()
         gc.collect()  # the replica's tensors and mappings go now, not at some later GC pass
         if str(boot["device"]).startswith("cuda"):
-            from dpool._cuda import drop_imports
+            from dpool.transport.cuda_ipc import drop_imports
 
             drop_imports()  # a client that died: its arenas' mappings go too
             if reason == "client died":
@@ -336,7 +336,8 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
 
     replica.collective = _Collective(send, recv)
     on_gpu = str(session["device"]).startswith("cuda")
-    from dpool._cuda import drop_imports, sticky_error
+    from dpool.gpu import sticky_error
+    from dpool.transport.cuda_ipc import drop_imports
 
     reason = "shutdown"
     linger = 0
@@ -351,7 +352,7 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
             if isinstance(msg, P.Shutdown):
                 if client_pid is not None and on_gpu:
                     # A daemon's worker outlives its client: it gives the client's GPU memory back (its
-                    # imports, see NOTE [ CUDA ownership ] in dpool._cuda) before the client frees it.
+                    # imports, see NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc) before the client frees it.
                     del replica
                     drop_imports()
                     send(P.Detached(served, "shutdown"))

@@ -1,4 +1,4 @@
-"""Shared-memory segments: creation, size checks, naming, mapping and sweeping.
+"""The CPU transport: shared-memory segments (creation, size checks, naming, mapping).
 
 Segments are plain files in ``/dev/shm`` (or ``DPOOL_SHM_DIR``) named
 ``dpool-<uid>-<owner pid>-<token>-<n>``, created ``0600`` by the coordinator.
@@ -8,8 +8,8 @@ coordinator creates a segment and *unlinks its name as soon as every worker
 that needs it has mapped it*. From then on the memory lives exactly as long as
 some process maps it, so a crash of any process, even ``SIGKILL`` of the whole
 process group, leaves no name behind. The only window for a leftover name is
-between creation and the next reply; :func:`sweep` removes names whose owner
-pid is dead, and runs at every ``wrap()``.
+between creation and the next reply; :func:`dpool._sweep.sweep` removes names
+whose owner pid is dead, and runs at every ``wrap()``.
 
 Space is reserved with ``posix_fallocate`` before anything is mapped, so a
 too-small ``/dev/shm`` gives a :class:`~dpool.errors.SharedMemoryError` up
@@ -21,20 +21,14 @@ import errno
 import mmap
 import os
 import secrets
-from typing import Any
 
 import torch
 
-from .errors import SharedMemoryError
+from .._sweep import SEGMENT_NAME
+from ..errors import SharedMemoryError
+from .base import Views
 
-__all__ = ["Segment", "attach", "sweep", "segment_prefix", "ALIGN", "align", "tensor_view", "standalone_view"]
-
-ALIGN = 64
-from ._sweep import SEGMENT_NAME as _NAME, sweep  # noqa: F401 (sweep: re-exported)
-
-
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+__all__ = ["Segment", "Mapped", "check_free", "segment_prefix", "standalone_view"]
 
 
 def segment_prefix() -> str:
@@ -60,41 +54,6 @@ def check_free(directory: str, size: int) -> None:
             f"Use smaller batches, free some space, enlarge it (docker: --shm-size or --ipc=host), or point "
             f"DPOOL_SHM_DIR at a larger tmpfs."
         )
-
-
-_MAX_CACHED_VIEWS = 1024
-
-
-class _Views:
-    """Caches tensor views of a segment by (offset, dtype, shape).
-
-    A training loop asks for the same views every step; building one costs three
-    tensor ops, so the hot path reuses them instead.
-    """
-
-    __slots__ = ("u8", "_cache")
-
-    def __init__(self, u8: torch.Tensor) -> None:
-        self.u8 = u8
-        self._cache: dict[tuple, torch.Tensor] = {}
-
-    def view(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
-        key = (offset, dtype, tuple(shape))
-        v = self._cache.get(key)
-        if v is None:
-            if len(self._cache) >= _MAX_CACHED_VIEWS:
-                self._cache.clear()
-            v = self._cache[key] = tensor_view(self.u8, offset, dtype, shape)
-        return v
-
-
-def tensor_view(u8: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """A tensor of ``dtype``/``shape`` over bytes ``[offset, offset + nbytes)`` of ``u8``."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * dtype.itemsize
-    return u8[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def standalone_view(buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
@@ -162,7 +121,7 @@ class Segment:
         else:
             os.close(fd)
         self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
-        self.views = _Views(self.u8)
+        self.views = Views(self.u8)
 
     def standalone(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
                    strides: list[int] | None = None) -> torch.Tensor:
@@ -206,9 +165,9 @@ class Mapped:
             self.mmap = mmap.mmap(name, size)
             self.name, self.size = f"fd:{name}", size
             self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
-            self.views = _Views(self.u8)
+            self.views = Views(self.u8)
             return
-        if not _NAME.match(name) or not str(os.getuid()) == name.split("-")[1]:
+        if not SEGMENT_NAME.match(name) or not str(os.getuid()) == name.split("-")[1]:
             raise SharedMemoryError(f"refusing to map {name!r}: not a dpool segment of this user")
         fd = os.open(os.path.join(directory, name), os.O_RDWR)
         try:
@@ -220,23 +179,8 @@ class Mapped:
         self.name = name
         self.size = size
         self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
-        self.views = _Views(self.u8)
+        self.views = Views(self.u8)
 
     def standalone(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
                    strides: list[int] | None = None) -> torch.Tensor:
         return standalone_view(self.mmap, offset, dtype, shape, strides)
-
-
-def attach(directory: str, ref: list, current: Any = None) -> Any:
-    """Map the segment ``ref = [name, size]``, reusing ``current`` if it is the same one.
-
-    A three-entry ``[name, size, export]`` is a GPU arena (:class:`dpool._cuda.Imported`).
-    """
-    name = ref[0]
-    if current is not None and current.name == (f"fd:{name}" if isinstance(name, int) else name):
-        return current
-    if len(ref) == 3:
-        from ._cuda import Imported
-
-        return Imported(ref)
-    return Mapped(directory, name, ref[1])

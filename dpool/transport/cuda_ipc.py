@@ -1,8 +1,8 @@
 """The CUDA transport: coordinator-owned GPU buffers that workers map over CUDA IPC.
 
-This is the GPU counterpart of :mod:`dpool.shm` (see ``docs/design.md``, "CUDA workers", and
+This is the GPU counterpart of :mod:`dpool.transport.shm` (see ``docs/design.md``, "CUDA workers", and
 ``NOTE [ CUDA ownership ]`` below). An :class:`Arena` stands in for a shared-memory
-:class:`~dpool.shm.Segment` wherever a worker runs on a GPU: the master's parameter
+:class:`~dpool.transport.shm.Segment` wherever a worker runs on a GPU: the master's parameter
 arena, each worker's state (gradient slots, private buffers) and its growable
 in/out/gout/gin/sparse regions.
 
@@ -40,14 +40,15 @@ NOTE [ CUDA ownership ]
 """
 from __future__ import annotations
 
-import collections
+import gc
 import os
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["Arena", "Imported", "STATS", "check_free_memory", "shortfall", "memory_report", "release", "drop_imports",
-           "sticky_error", "standalone", "backend_flags", "apply_backend_flags"]
+from .base import Views
+
+__all__ = ["Arena", "Imported", "STATS", "release", "drop_imports", "standalone"]
 
 # Counts of this process's IPC work: exports (coordinator), imports (worker), releases (coordinator).
 STATS = {"exports": 0, "imports": 0, "releases": 0}
@@ -60,7 +61,7 @@ def standalone(storage: Any, device: torch.device, offset: int, dtype: torch.dty
                strides: list[int] | None = None) -> torch.Tensor:
     """A tensor over bytes ``offset..`` of ``storage`` with its *own* TensorImpl (and version counter).
 
-    Like :func:`dpool.shm.standalone_view`: BatchNorm's in-place update of one buffer must not
+    Like :func:`dpool.transport.shm.standalone_view`: BatchNorm's in-place update of one buffer must not
     invalidate another tensor saved for backward.
     """
     t = torch.empty(0, dtype=dtype, device=device)
@@ -95,7 +96,7 @@ def _allocate(size: int, device: torch.device) -> torch.Tensor:
 class Arena:
     """A coordinator-owned GPU buffer, exported to worker processes over CUDA IPC.
 
-    It has :class:`~dpool.shm.Segment`'s interface (``name``, ``size``, ``u8``, ``views``,
+    It has :class:`~dpool.transport.shm.Segment`'s interface (``name``, ``size``, ``u8``, ``views``,
     ``ref()``), so the runtime places tensors in it the same way.
 
     Args:
@@ -111,14 +112,12 @@ class Arena:
     linked = False
 
     def __init__(self, name: str, size: int, device: torch.device, owner: Any = None) -> None:
-        from .shm import _Views
-
         self.name = name
         self.size = size
         self.device = device
         self.owner = owner
         self.u8 = _allocate(size, device)
-        self.views = _Views(self.u8)
+        self.views = Views(self.u8)
         self._refs: dict[bytes, list] = {}
 
     def standalone(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
@@ -149,8 +148,6 @@ class Imported:
     __slots__ = ("name", "size", "u8", "views", "storage", "device")
 
     def __init__(self, ref: list) -> None:
-        from .shm import _Views
-
         name, size, (handle, storage_size, offset, rc, rc_offset, event, event_sync) = ref
         self.name, self.size = name, size
         self.device = torch.device("cuda", 0)  # each worker sees only its own GPU
@@ -160,7 +157,7 @@ class Imported:
         STATS["imports"] += 1
         _KEEP.append(self.storage)
         self.u8 = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage, 0, (size,), (1,))
-        self.views = _Views(self.u8)
+        self.views = Views(self.u8)
 
     def standalone(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
                    strides: list[int] | None = None) -> torch.Tensor:
@@ -174,8 +171,6 @@ def drop_imports() -> None:
     decrements the client's counter slot (torch's consumer-side deleter), so the client, which waits
     for the worker's ``detached`` before it frees its arenas, releases nothing itself.
     """
-    import gc
-
     if not _KEEP:
         return
     torch.cuda.synchronize()  # nothing of ours still reads or writes the client's memory
@@ -197,85 +192,3 @@ def release(exports: list) -> None:
         torch.cuda.ipc_collect()  # frees blocks whose last consumer was just released
     except Exception:  # pragma: no cover
         pass
-
-
-def backend_flags() -> tuple:
-    """This process's numerics settings that change results on a GPU (TF32, cuDNN's choices).
-
-    Workers follow the coordinator's, as replicas in nn.DataParallel's one process do.
-    """
-    cudnn = torch.backends.cudnn
-    return (torch.get_float32_matmul_precision(), cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark,
-            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
-
-
-def apply_backend_flags(flags: tuple, _model: Any = None) -> None:
-    """Set :func:`backend_flags` in this (worker) process."""
-    cudnn = torch.backends.cudnn
-    torch.set_float32_matmul_precision(flags[0])
-    cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = flags[1], flags[2], flags[3]
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = flags[4]
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flags[5]
-
-
-_STICKY = ("device-side assert", "illegal memory access", "unspecified launch failure", "misaligned address",
-           "illegal instruction", "an illegal", "CUDA error: uncorrectable", "context is destroyed")
-
-
-def sticky_error(exc: BaseException) -> bool:
-    """Whether ``exc`` leaves this process's CUDA context unusable (every later CUDA call fails)."""
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and "CUDA error" in text and any(s in text for s in _STICKY)
-
-
-# About what a worker's CUDA context takes before it holds a tensor (lazy module loading; measured
-# 0.3-0.5 GiB on an H100): the preflight check counts it, the error says "about".
-CONTEXT_BYTES = 300 << 20
-_GiB = float(1 << 30)
-
-
-def shortfall(devices: Sequence[str], model_bytes: int, free: dict[str, tuple[int, int]], spawn: bool) -> str | None:
-    """What :func:`check_free_memory` would refuse, from given ``free[device] = (free, total)`` bytes.
-
-    Per GPU, dpool itself needs for each of its workers a state arena (gradient slots and private
-    buffers: ``model_bytes``), a replica arena when the worker is not on the master's GPU, and its
-    CUDA context when it is a new process (``spawn``); plus the master's arena on ``devices[0]``
-    (the master's own storage is freed when it moves there). Activations come on top.
-    """
-    counts = collections.Counter(devices)
-    problems = []
-    for dev, n in counts.items():
-        per_worker = model_bytes * (1 if dev == devices[0] else 2) + (CONTEXT_BYTES if spawn else 0)
-        need = n * per_worker
-        have, total = free[dev]
-        if need > have:
-            problems.append(
-                f"{dev} has {have / _GiB:.2f} GiB free of {total / _GiB:.1f} GiB, and its {n} worker(s) need about "
-                f"{need / _GiB:.2f} GiB before any activation ({per_worker / _GiB:.2f} GiB each: "
-                + ("its CUDA context, " if spawn else "") + f"{model_bytes / _GiB:.3f} GiB of gradient slots"
-                + (" and a parameter replica" if dev != devices[0] else "") + ")")
-    if not problems:
-        return None
-    return ("not enough free GPU memory to start the workers: " + "; ".join(problems) + ". Free memory on those "
-            "GPUs (nvidia-smi lists the processes holding it; torch.cuda.empty_cache() in this process), or run "
-            "fewer workers per GPU.")
-
-
-def check_free_memory(devices: Sequence[str], model_bytes: int, spawn: bool) -> None:
-    """Refuse to start workers on GPUs that cannot hold them (:func:`shortfall`), before any starts."""
-    from .errors import WorkerStartError
-
-    free = {dev: torch.cuda.mem_get_info(torch.device(dev)) for dev in set(devices)}
-    problem = shortfall(devices, model_bytes, free, spawn)
-    if problem is not None:
-        raise WorkerStartError(problem)
-
-
-def memory_report(devices: Sequence[str]) -> str:
-    """Free and total memory of each GPU of ``devices`` now, and how many workers share it."""
-    parts = []
-    for dev, n in collections.Counter(devices).items():
-        have, total = torch.cuda.mem_get_info(torch.device(dev))
-        parts.append(f"{dev}: {have / _GiB:.2f} GiB free of {total / _GiB:.1f} GiB, {n} worker(s)")
-    return "; ".join(parts)
