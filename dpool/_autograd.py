@@ -69,10 +69,10 @@ class CallState:
         self.diff_params: list[torch.Tensor] = []
         self.input_devices: list[torch.device] = []  # of the inputs that require grad, in order
         dim = runtime.dim
-        self.differentiable = [any(metas[s][g[s]][3] for s in range(k)) for g in groups]
-        self.stacked = [runtime.n > 1 and all(len(metas[s][g[s]][1]) == 0 for s in range(k)) for g in groups]
+        self.differentiable = [any(metas[s][g[s]].requires_grad for s in range(k)) for g in groups]
+        self.stacked = [runtime.n > 1 and all(len(metas[s][g[s]].shape) == 0 for s in range(k)) for g in groups]
         self.sizes = [
-            None if st else [metas[s][g[s]][1][dim] if len(metas[s][g[s]][1]) > dim else None for s in range(k)]
+            None if st else [metas[s][g[s]].shape[dim] if len(metas[s][g[s]].shape) > dim else None for s in range(k)]
             for g, st in zip(groups, self.stacked)
         ]
 
@@ -202,7 +202,7 @@ class DoubleState:
         self.runtime, self.state, self.call, self.k = runtime, state, call, state.k
         self.ctx: Any = None
         self.per_shard = per_shard
-        self.roots = [[o for o, g in enumerate(per_shard[s]) if g is not None and state.metas[s][o][3]]
+        self.roots = [[o for o, g in enumerate(per_shard[s]) if g is not None and state.metas[s][o].requires_grad]
                       for s in range(state.k)]
         self.grad_groups = [j for j, g in enumerate(grads) if j < len(state.groups) and g is not None
                             and g.requires_grad]

@@ -752,7 +752,7 @@ class Runtime:
         replies = self._request(msgs, "computing the loss")
         pool.unlink_segments()
         self._raise_failures(replies, "criterion")
-        dtype = next((DTYPES[m[0]] for m in state.metas[0] if DTYPES[m[0]].is_floating_point), torch.float32)
+        dtype = next((DTYPES[m.dtype] for m in state.metas[0] if DTYPES[m.dtype].is_floating_point), torch.float32)
         return combine(self, handle, [replies[s] for s in range(k)], dtype, crit.reduction)
 
     @_one_call_at_a_time

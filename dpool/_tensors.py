@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .errors import DpoolTypeError
+from .protocol import TensorMeta
 from .transport import align
 
 __all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer", "to_bytes", "from_bytes", "dense_strides"]
@@ -108,22 +109,22 @@ class Placer:
         return off
 
     @staticmethod
-    def write(views: Any, offset: int, t: torch.Tensor, requires_grad: bool = False) -> list:
+    def write(views: Any, offset: int, t: torch.Tensor, requires_grad: bool = False) -> TensorMeta:
         """Copy ``t`` into the segment whose view cache is ``views``; return its meta."""
         name = dtype_name(t.dtype)
         shape = list(t.shape)
         if t.numel():
             views.view(offset, t.dtype, shape).copy_(t.detach())
-        return [name, shape, offset, requires_grad]
+        return TensorMeta(name, shape, offset, bool(requires_grad))
 
 
-def read(views: Any, meta: list) -> torch.Tensor:
+def read(views: Any, meta: TensorMeta) -> torch.Tensor:
     """A view (no copy) of the tensor ``meta`` describes, from a segment's view cache."""
     name, shape, offset, _ = meta
     return views.view(offset, DTYPES[name], shape)
 
 
-def meta_nbytes(meta: list) -> int:
+def meta_nbytes(meta: TensorMeta) -> int:
     name, shape, _, _ = meta
     n = DTYPES[name].itemsize
     for s in shape:

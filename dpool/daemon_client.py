@@ -132,9 +132,12 @@ def request(pool: str, msg: Any, timeout: float = 5.0) -> Any:
                 hint = " (a daemon answers nobody whose key is wrong: check DPOOL_KEY_FILE)" if endpoint.startswith("tcp://") else ""
                 raise TimeoutError(f"the dpool-workers daemon of {label} did not answer within {timeout:g}s{hint}")
             try:
-                return codec.decode(sock.recv_multipart())[1]
+                reply = codec.decode(sock.recv_multipart())[1]
             except P.ProtocolError:
                 continue  # not from the daemon (it would hold the key): ignored, never decoded further
+            if isinstance(reply, P.Failed):
+                raise P.ProtocolError(f"the dpool-workers daemon of {label} refused {msg.op!r}: {reply.message}")
+            return reply
     finally:
         sock.close(linger=0)
         ctx.term()

@@ -81,7 +81,7 @@ def pool_devices(pool: str) -> list[str]:
     """The devices of the ``dpool-workers`` pool ``pool`` (a name or ``tcp://HOST:PORT``), in this
     process's numbering: the daemon's ``CUDA_VISIBLE_DEVICES`` may differ from ours."""
     if pool.startswith("tcp://"):  # a pool started with --listen; its key comes from DPOOL_KEY_FILE
-        rows = request(pool, P.StatusRequest()).info["workers"]
+        rows = request(pool, P.Status()).info["workers"]
         devices, visible = [w["device"] for w in rows], [w.get("visible") for w in rows]
     else:
         state, _ = read_pool(pool)

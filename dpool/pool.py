@@ -264,7 +264,7 @@ class Pool:
         self._key = P.session_key(pool_key, nonce)  # the daemon derives the same key; it is never sent
         self.codec = P.Codec(self._key, self.config.max_message_bytes)
         deadline = time.monotonic() + self.config.startup_timeout_s
-        ask = P.AttachRequest(os.getpid(), session_endpoint, nonce, self.control.ref(), P.PROTOCOL_VERSION,
+        ask = P.Attach(os.getpid(), session_endpoint, nonce, self.control.ref(), P.PROTOCOL_VERSION,
                               self.config.max_message_bytes)
         while True:
             reply = request(name, ask, timeout=5.0)
@@ -770,14 +770,14 @@ class Pool:
             self._settle_cuda_exports(told)
         try:
             assert self.attach is not None
-            request(self.attach, P.DetachRequest(os.getpid()), timeout=2.0)
+            request(self.attach, P.Detach(os.getpid()), timeout=2.0)
         except Exception:
             pass  # the daemon is gone, or will notice our exit through our pidfd
 
     def _settle_cuda_exports(self, told: set[int]) -> None:
         """Our GPU arenas' IPC counters held by daemon workers (see NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc).
 
-        A worker told to shut down frees its imports, then answers ``detached``: its slots are back at
+        A worker told to shut down frees its imports, then answers ``serve_done``: its slots are back at
         zero. The slots of a worker that died first are ours to release. A worker that neither answers
         nor exits keeps its slots, so the memory it may still map is never reused.
         """
@@ -788,7 +788,7 @@ class Pool:
                 waiting -= {i for i in waiting if self._exited(self.workers[i])}
                 continue
             for idx, msg in self._drain():
-                if isinstance(msg, P.Detached) and idx in waiting:
+                if isinstance(msg, P.ServeDone) and idx in waiting:
                     waiting.discard(idx)
                     self.workers[idx].exports.clear()  # freed by the worker itself
         for w in self.workers:

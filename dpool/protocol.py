@@ -23,15 +23,17 @@ Every failure in steps 1-4 is a :class:`~dpool.errors.ProtocolError`
 (:class:`~dpool.errors.AuthError` for step 2); no other exception escapes
 :meth:`Codec.decode`.
 
-Ops follow one naming scheme: a request is a verb (``forward``), its reply is
-the verb with ``_done`` (``forward_done``); any request may instead be answered
-with ``failed``.
+Ops follow one naming scheme: a request is a verb (``forward``, ``attach``,
+``status``), its reply is the verb with ``_done`` (``forward_done``,
+``attach_done``, ``status_done``); any request may instead be answered with
+``failed``. Three messages are not replies: ``hello`` (a worker's first word),
+``output`` (an attached worker's printed text) and ``shutdown`` (no answer).
 """
 from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import msgpack
 
@@ -60,21 +62,46 @@ __all__ = [
     "CallDone",
     "AllReduce",
     "AllReduceDone",
+    "TensorMeta",
+    "FetchDone",
+    "Serve",
+    "ServeDone",
+    "Attach",
+    "AttachDone",
+    "Detach",
+    "DetachDone",
+    "Status",
+    "StatusDone",
+    "Stop",
+    "StopDone",
     "Output",
     "Shutdown",
     "Failed",
 ]
 
-PROTOCOL_VERSION = 3  # 2: attach derives the session key from a nonce; attach_reply names the daemon pid
+PROTOCOL_VERSION = 4  # 2: attach derives the session key from a nonce; attach_reply names the daemon pid
 # 3: forward carries a seed drawn from the coordinator's generator; sparse gradients; parameter strides;
 #    backward keep_as (higher-order gradients)
+# 4: one op-naming scheme (the daemon's ops too; fetch answered by fetch_done); tensor metas validated
 MAC_SIZE = 32
 CONTEXT_LOST = " [CUDA context lost: the worker exits]"
 
-# A shared-memory reference: [segment name, size in bytes].
+# A region reference (see dpool.transport): [name, size] in shared memory, [name, size, export] on a GPU.
 SegRef = list
-# A tensor's place in a segment: [dtype name, shape, byte offset, requires_grad].
-TensorMeta = list
+
+
+class TensorMeta(NamedTuple):
+    """Where one tensor lies in a region: it travels as the array ``[dtype, shape, offset, requires_grad]``.
+
+    Fields typed :data:`_METAS` arrive as lists of these (``None`` where a message allows no tensor).
+    """
+
+    dtype: str
+    """The dtype's name (``"float32"``; see ``dpool._tensors.DTYPES``)."""
+    shape: list
+    offset: int
+    """Byte offset in the region (64-byte aligned)."""
+    requires_grad: bool
 
 
 class Message:
@@ -96,6 +123,7 @@ _INT = (int,)
 _BOOL = (bool,)
 _BYTES = (bytes,)
 _LIST = (list,)
+_METAS = (list, "metas")  # a list of TensorMeta (or None), checked and typed by Codec
 
 
 def _message(op: str, **types: tuple[type, ...]):  # type: ignore[no-untyped-def]
@@ -162,7 +190,7 @@ class InitDone(Message):
     inputs=_LIST,
     outputs=_LIST,
     tree=(object,),
-    tensors=_LIST,
+    tensors=_METAS,
     shard=_INT,
     world=_INT,
     keep=_BOOL,
@@ -197,7 +225,7 @@ class Forward(Message):
     seed: int
 
 
-@_message("forward_done", call=_INT, tree=(object,), tensors=_LIST, need=_INT, stats=_LIST, busy=(float,))
+@_message("forward_done", call=_INT, tree=(object,), tensors=_METAS, need=_INT, stats=_LIST, busy=(float,))
 class ForwardDone(Message):
     """The replica's output structure; ``need > 0`` means the outputs segment was too small.
 
@@ -221,7 +249,15 @@ class Fetch(Message):
     outputs: SegRef
 
 
-@_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_LIST, input_grads=_LIST, hold=_BOOL,
+@_message("fetch_done", call=_INT, tensors=_METAS)
+class FetchDone(Message):
+    """The outputs of ``call``, now in the larger segment (the structure came with ``forward_done``)."""
+
+    call: int
+    tensors: list
+
+
+@_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_METAS, input_grads=_LIST, hold=_BOOL,
           sparse=_LIST, keep_as=_INT)
 class Backward(Message):
     """Backpropagate ``grad_tensors`` (metas in ``grads``, ``None`` for no gradient) through ``call``.
@@ -244,7 +280,7 @@ class Backward(Message):
     keep_as: int
 
 
-@_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_LIST, busy=(float,), sparse=_LIST,
+@_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_METAS, busy=(float,), sparse=_LIST,
           sparse_need=_INT)
 class BackwardDone(Message):
     """Parameter gradients are in the worker's gradient slot; ``param_mask`` says which exist.
@@ -279,7 +315,7 @@ class FetchSparseDone(Message):
     sparse: list
 
 
-@_message("criterion", call=_INT, fn=_BYTES, tree=(object,), tensors=_LIST, inputs=_LIST)
+@_message("criterion", call=_INT, fn=_BYTES, tree=(object,), tensors=_METAS, inputs=_LIST)
 class Criterion(Message):
     """Apply a pickled loss module to the outputs ``call`` kept (``gather=False``) and this shard's targets."""
 
@@ -355,9 +391,9 @@ class AllReduceDone(Message):
 
 
 # ---------------------------------------------------------------- dpool-workers daemon
-@_message("attach", endpoint=_STR, key=_BYTES, ident=_BYTES, control=_LIST, client_pid=_INT,
+@_message("serve", endpoint=_STR, key=_BYTES, ident=_BYTES, control=_LIST, client_pid=_INT,
           max_message_bytes=_INT)
-class Attach(Message):
+class Serve(Message):
     """Daemon → warm worker: serve this client (connect to ``endpoint`` with the session ``key``)."""
 
     endpoint: str
@@ -368,17 +404,17 @@ class Attach(Message):
     max_message_bytes: int
 
 
-@_message("detached", steps=_INT, reason=_STR)
-class Detached(Message):
-    """Worker → daemon: the client session ended; the replica and its memory are gone."""
+@_message("serve_done", steps=_INT, reason=_STR)
+class ServeDone(Message):
+    """Worker → daemon and client: the client session ended; the replica and its memory are gone."""
 
     steps: int
     reason: str
 
 
-@_message("attach_request", pid=_INT, endpoint=_STR, nonce=_BYTES, control=_LIST, protocol=_INT,
+@_message("attach", pid=_INT, endpoint=_STR, nonce=_BYTES, control=_LIST, protocol=_INT,
           max_message_bytes=_INT)
-class AttachRequest(Message):
+class Attach(Message):
     """Client → daemon: lend me the workers, and have them connect to ``endpoint``.
 
     The session key is never sent: both sides derive it with :func:`session_key` from the
@@ -394,8 +430,8 @@ class AttachRequest(Message):
     max_message_bytes: int
 
 
-@_message("attach_reply", ok=_BOOL, workers=_LIST, error=_STR, threads=_INT, daemon_pid=_INT)
-class AttachReply(Message):
+@_message("attach_done", ok=_BOOL, workers=_LIST, error=_STR, threads=_INT, daemon_pid=_INT)
+class AttachDone(Message):
     """``workers``: ``[index, device, pid, ident]`` each; ``error`` says why not (e.g. the holder's pid)."""
 
     ok: bool
@@ -412,28 +448,35 @@ def session_key(pool_key: bytes, nonce: bytes) -> bytes:
     return hmac.digest(pool_key, b"dpool session key\x00" + nonce, "sha256")
 
 
-@_message("detach_request", pid=_INT)
-class DetachRequest(Message):
+@_message("detach", pid=_INT)
+class Detach(Message):
+    """Client → daemon: the session of client ``pid`` is over (its workers were told to end it)."""
+
     pid: int
 
 
-@_message("status_request")
-class StatusRequest(Message):
+@_message("detach_done")
+class DetachDone(Message):
     pass
 
 
-@_message("status_reply", info=(dict,))
-class StatusReply(Message):
+@_message("status")
+class Status(Message):
+    """Anyone holding the pool key → daemon: what are your workers doing?"""
+
+
+@_message("status_done", info=(dict,))
+class StatusDone(Message):
     info: dict
 
 
-@_message("stop_request")
-class StopRequest(Message):
-    pass
+@_message("stop")
+class Stop(Message):
+    """→ daemon: stop the workers and exit."""
 
 
-@_message("ok")
-class Ok(Message):
+@_message("stop_done")
+class StopDone(Message):
     pass
 
 
@@ -467,9 +510,10 @@ class Failed(Message):
 MESSAGES: dict[str, type[Message]] = {
     cls.op: cls  # type: ignore[misc]
     for cls in (
-        Hello, Init, InitDone, Forward, ForwardDone, Fetch, Backward, BackwardDone, FetchSparse, FetchSparseDone,
-        Criterion, CriterionDone, Release, ReleaseDone, Call, CallDone, AllReduce, AllReduceDone, Shutdown, Failed,
-        Output, Attach, Detached, AttachRequest, AttachReply, DetachRequest, StatusRequest, StatusReply, StopRequest, Ok,
+        Hello, Init, InitDone, Forward, ForwardDone, Fetch, FetchDone, Backward, BackwardDone, FetchSparse,
+        FetchSparseDone, Criterion, CriterionDone, Release, ReleaseDone, Call, CallDone, AllReduce, AllReduceDone,
+        Shutdown, Failed, Output, Serve, ServeDone, Attach, AttachDone, Detach, DetachDone, Status, StatusDone, Stop,
+        StopDone,
     )
 }
 
@@ -535,9 +579,28 @@ class Codec:
         types = cls._types
         if not isinstance(body, list) or len(body) != len(types):
             raise ProtocolError(f"{op}: expected {len(types)} fields")
-        for (name, allowed), value in zip(types.items(), body):
+        for i, ((name, allowed), value) in enumerate(zip(types.items(), body)):
             if allowed == (object,):
+                continue
+            if allowed is _METAS:
+                body[i] = _metas(op, name, value)
                 continue
             if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
                 raise ProtocolError(f"{op}.{name}: unexpected {type(value).__name__}")
         return seq, cls(*body)
+
+
+def _metas(op: str, name: str, value: Any) -> list:
+    """``value`` as a list of :class:`TensorMeta` (``None`` kept), or a :class:`ProtocolError`."""
+    if not isinstance(value, list):
+        raise ProtocolError(f"{op}.{name}: unexpected {type(value).__name__}")
+    out: list = []
+    for m in value:
+        if m is None:
+            out.append(None)
+        elif (isinstance(m, list) and len(m) == 4 and isinstance(m[0], str) and isinstance(m[1], list)
+              and isinstance(m[2], int) and isinstance(m[3], bool)):
+            out.append(TensorMeta(*m))
+        else:
+            raise ProtocolError(f"{op}.{name}: not a tensor meta: {m!r:.80}")
+    return out

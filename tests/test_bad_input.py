@@ -159,6 +159,9 @@ HOSTILE = [
     msgpack.packb([V, "nope", 1, []]),  # unknown op
     msgpack.packb([V + 1, "hello", 1, [0, 1, 2, "t", "p"]]),  # other protocol version
     msgpack.packb([V, "hello", -5, [0, 1, 1, "t", "p"]]),  # bad sequence number
+    msgpack.packb([V, "fetch_done", 1, [3, [["float32", [2], 0]]]]),  # tensor meta with a missing field
+    msgpack.packb([V, "fetch_done", 1, [3, [["float32", [2], "0", False]]]]),  # tensor meta offset not an int
+    msgpack.packb([V, "fetch_done", 1, [3, {"a": 1}]]),  # metas not a list
 ]
 
 
@@ -184,6 +187,15 @@ def test_wrong_key_missing_mac_and_oversize():
     other = P.PROTOCOL_VERSION + 1
     with pytest.raises(ProtocolError, match=f"protocol {other} peer cannot talk to protocol {P.PROTOCOL_VERSION}"):
         codec.decode(_frame(msgpack.packb([other, "shutdown", 1, []])))
+
+
+def test_tensor_metas_arrive_typed():
+    """Tensor metas travel as arrays and come out of decode() as TensorMeta (None kept)."""
+    codec = P.Codec(KEY)
+    meta = P.TensorMeta("float32", [2, 3], 64, True)
+    _, msg = codec.decode([codec.encode(P.BackwardDone(1, b"\x01", [meta, None], 0.5, [], 0), 7)])
+    assert msg.input_grads == [meta, None] and isinstance(msg.input_grads[0], P.TensorMeta)
+    assert msg.input_grads[0].requires_grad is True and msg.input_grads[0].shape == [2, 3]
 
 
 @settings(max_examples=300, deadline=None)

@@ -237,8 +237,8 @@ def test_relay_on_the_tcp_path_never_sees_the_model_or_a_key(tcp_pool, monkeypat
         ctx.term()
     pool_key = read_key_file(key_file)
     msgs = [P.Codec(pool_key).decode([f])[1] for f in seen]  # all of it authenticated with the pool key
-    attach = [m for m in msgs if isinstance(m, P.AttachRequest)]
-    assert len(attach) == 1 and any(isinstance(m, P.AttachReply) and m.ok for m in msgs)
+    attach = [m for m in msgs if isinstance(m, P.Attach)]
+    assert len(attach) == 1 and any(isinstance(m, P.AttachDone) and m.ok for m in msgs)
     session = P.session_key(pool_key, attach[0].nonce)
     assert not any(session in f or marker.encode() in f for f in seen)
 
@@ -333,7 +333,7 @@ def test_worker_dying_inside_the_daemon(pool_name):
         again(torch.randn(8, 4)).sum().backward()
 
 
-def test_foreign_key_is_rejected_before_decoding(pool_name, tmp_path):
+def test_foreign_key_is_rejected_before_decoding_and_unserved_ops_get_an_error(pool_name, tmp_path):
     import zmq
 
     from dpool import protocol as P
@@ -360,6 +360,12 @@ def test_foreign_key_is_rejected_before_decoding(pool_name, tmp_path):
     ctx.term()
     assert not canary.exists()
     assert status(pool_name)["client_pid"] is None  # and it is still serving
+    # an authenticated op that a daemon does not serve is answered with an error, not silence
+    from dpool.daemon_client import request
+
+    with pytest.raises(dpool.ProtocolError, match=r"does not serve 'release' requests"):
+        request(pool_name, P.Release([]), timeout=10)
+    assert status(pool_name)["client_pid"] is None
 
 
 def test_daemon_killed_mid_step_then_restart_cleans_up():

@@ -24,13 +24,13 @@ memory, so client and workers must share a host (and ``/dev/shm``) either way.
 
 Lifecycle. The daemon spawns one worker per device (``dpool_workers.worker`` in daemon
 mode) and waits for their hello. A client (``dpool.wrap(net, pool=NAME)``) sends an
-authenticated ``attach_request`` with its pid, its own socket endpoint and a fresh nonce
+authenticated ``attach`` with its pid, its own socket endpoint and a fresh nonce
 (both sides derive the session key from it); the daemon grants a lease (one client at a time; a second gets an error naming the holder's
 pid) and tells every worker to connect to the client directly, so steps run exactly as in an
 embedded pool; what a replica prints travels to the client as ``output`` messages. The session
 ends with the client's ``shutdown`` (``close()``), or when the client
 process dies: each worker watches the client's pidfd, drops the replica and its memory, and
-reports ``detached``; the daemon watches the client's pidfd too and frees the lease. A worker
+reports ``serve_done``; the daemon watches the client's pidfd too and frees the lease. A worker
 that dies is respawned and counted in ``status``. The daemon dies → its workers exit (their
 watchdog polls its pidfd) → an attached client sees its workers die and raises
 ``DaemonLostError``. A crashed daemon's leftovers are removed by the next ``start``.
@@ -285,28 +285,32 @@ class Daemon:
             if w is not None:
                 if isinstance(msg, P.Hello):
                     w.state = "idle"
-                elif isinstance(msg, P.Detached):
+                elif isinstance(msg, P.ServeDone):
                     w.state = "idle"
                     log.info("worker %d detached (%s; %d steps)", w.index, msg.reason, msg.steps)
                 continue
-            if isinstance(msg, P.AttachRequest):
+            if isinstance(msg, P.Attach):
                 self.attach(ident, msg)
-            elif isinstance(msg, P.DetachRequest):
+            elif isinstance(msg, P.Detach):
                 if msg.pid == self.client:
                     log.info("client %d detached", msg.pid)
                     self.release()
-                self.send(ident, P.Ok())
-            elif isinstance(msg, P.StatusRequest):
-                self.send(ident, P.StatusReply(self.status()))
-            elif isinstance(msg, P.StopRequest):
-                self.send(ident, P.Ok())
+                self.send(ident, P.DetachDone())
+            elif isinstance(msg, P.Status):
+                self.send(ident, P.StatusDone(self.status()))
+            elif isinstance(msg, P.Stop):
+                self.send(ident, P.StopDone())
                 self.stopping = True
+            else:  # authenticated, but not a request a daemon serves: say so rather than leave it waiting
+                self.send(ident, P.Failed("daemon", "dpool.errors", "ProtocolError",
+                                          f"the dpool-workers daemon does not serve {msg.op!r} requests "
+                                          f"(it serves attach, detach, status and stop)", ""))
 
     def attach(self, ident: bytes, msg: Any) -> None:
         from dpool import protocol as P
 
         def refuse(why: str) -> None:
-            self.send(ident, P.AttachReply(False, [], why, self.threads, os.getpid()))
+            self.send(ident, P.AttachDone(False, [], why, self.threads, os.getpid()))
 
         if msg.protocol != P.PROTOCOL_VERSION:
             return refuse(f"dpool protocol {msg.protocol} client cannot use a protocol {P.PROTOCOL_VERSION} daemon")
@@ -330,12 +334,12 @@ class Daemon:
         out = []
         for w in self.workers:
             session_ident = b"a" + w.ident + b"." + secrets.token_hex(8).encode()
-            self.send(w.ident, P.Attach(msg.endpoint, key, session_ident, msg.control, msg.pid,
+            self.send(w.ident, P.Serve(msg.endpoint, key, session_ident, msg.control, msg.pid,
                                         msg.max_message_bytes))
             w.state = "busy"
             assert w.proc is not None
             out.append([w.index, w.device, w.proc.pid, session_ident])
-        self.send(ident, P.AttachReply(True, out, "", self.threads, os.getpid()))
+        self.send(ident, P.AttachDone(True, out, "", self.threads, os.getpid()))
         log.info("client %d attached", msg.pid)
 
     def release(self) -> None:
@@ -536,7 +540,7 @@ def cmd_list(a: argparse.Namespace) -> int:
             state, _ = read_pool(name)
             row["devices"], row["pid"] = state["devices"], state["pid"]
             row["uptime_s"] = round(time.time() - state["started"], 1)
-            info = request(name, P.StatusRequest(), timeout=2.0).info
+            info = request(name, P.Status(), timeout=2.0).info
             states = {w["state"] for w in info["workers"]}
             row["client_pid"] = info["client_pid"]
             row["state"] = ("attached" if info["client_pid"] is not None
@@ -558,7 +562,7 @@ def cmd_status(a: argparse.Namespace) -> int:
     from dpool import protocol as P
 
     try:
-        reply = request(a.name, P.StatusRequest(), timeout=a.timeout)
+        reply = request(a.name, P.Status(), timeout=a.timeout)
     except FileNotFoundError as exc:
         print(f"dpool-workers: {exc}", file=sys.stderr)
         return EXIT_NOT_RUNNING
@@ -598,7 +602,7 @@ def cmd_stop(a: argparse.Namespace) -> int:
 
     try:
         try:
-            request(a.name, P.StopRequest(), timeout=min(2.0, a.timeout))
+            request(a.name, P.Stop(), timeout=min(2.0, a.timeout))
         except (TimeoutError, FileNotFoundError):
             pass
         for sig in (None, signal.SIGTERM, signal.SIGKILL):  # graceful, then escalate

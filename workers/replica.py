@@ -273,7 +273,7 @@ class Replica:
         leaves: list[torch.Tensor | None] = []
         for meta in msg.tensors:
             t = read(inp.views, meta)
-            if msg.grad and meta[3]:
+            if msg.grad and meta.requires_grad:
                 t = t.detach().requires_grad_(True)
                 leaves.append(t)
             else:
@@ -322,7 +322,7 @@ class Replica:
         seg = self._seg("out", msg.outputs)
         placer = Placer()
         metas = [Placer.write(seg.views, placer.reserve(t), t, grad and t.requires_grad) for t in outs]
-        return P.ForwardDone(msg.call, None, metas, 0, list(self._bn_counts), 0.0)
+        return P.FetchDone(msg.call, metas)
 
     # ---------------------------------------------------------------- backward
     def backward(self, msg: P.Backward) -> P.Message:

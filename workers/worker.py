@@ -225,7 +225,7 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
             continue
         if isinstance(msg, P.Shutdown):
             break
-        if not isinstance(msg, P.Attach):
+        if not isinstance(msg, P.Serve):
             continue
         control = attach(boot["shm_dir"], msg.control)
         beat.target(control.u8[: 8 * (index + 1)].view(torch.int64)[index:])
@@ -247,7 +247,7 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
 
                 sweep_cuda_counters(int(msg.client_pid))
         _trim_heap()  # workers keep their heap while serving (see worker_env); give it back between clients
-        send(P.Detached(steps, reason))
+        send(P.ServeDone(steps, reason))
     sock.close(linger=0)
     ctx.term()
     os._exit(0)
@@ -355,7 +355,7 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
                     # imports, see NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc) before the client frees it.
                     del replica
                     drop_imports()
-                    send(P.Detached(served, "shutdown"))
+                    send(P.ServeDone(served, "shutdown"))
                     linger = 2000
                 break
             try:

@@ -24,7 +24,7 @@ NOTE [ CUDA ownership ]
   (:func:`release`), then ``torch.cuda.ipc_collect()`` returns the memory. A
   ``dpool-workers`` worker outlives its clients instead: at the end of a session
   it frees its imports (:func:`drop_imports`, which decrements the slots) and
-  only then reports ``detached`` to the client, which waits for that before it
+  only then reports ``serve_done`` to the client, which waits for that before it
   frees its arenas; the client releases the slots only of a worker that died
   first. A slot is never released twice (torch without pytorch#172060 would pin
   the block forever).
@@ -169,7 +169,7 @@ def drop_imports() -> None:
 
     Called once the session's replica is gone. Freeing an imported storage closes its IPC mapping and
     decrements the client's counter slot (torch's consumer-side deleter), so the client, which waits
-    for the worker's ``detached`` before it frees its arenas, releases nothing itself.
+    for the worker's ``serve_done`` before it frees its arenas, releases nothing itself.
     """
     if not _KEEP:
         return
