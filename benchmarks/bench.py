@@ -311,7 +311,7 @@ def attach_demo(repeats: int) -> str:
     g = torch.Generator().manual_seed(0)
     x, y = w.batch(64, g)
     name = "bench" + uuid.uuid4().hex[:6]
-    cli = [sys.executable, "-m", "dpool_workers.daemon"]
+    cli = [sys.executable, "-m", "dpool_workers.cli"]
     subprocess.run(cli + ["start", "--name", name, "--device-ids", "cpu,cpu"], check=True, capture_output=True)
     times: dict[str, list[float]] = {"embedded (spawn)": [], "attached (warm daemon)": []}
     try:

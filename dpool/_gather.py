@@ -21,7 +21,7 @@ concatenates them), then :func:`build` puts the gathered tensors into place.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from . import _tree
 from .errors import GatherError
@@ -72,7 +72,7 @@ def tensor_groups(specs: list[Any], out: list[list[int]] | None = None) -> list[
     return out
 
 
-def build(specs: list[Any], gathered: Iterator[Any], load: Callable[[Any], Any] | None = None) -> Any:
+def build(specs: list[Any], gathered: Iterator[Any]) -> Any:
     """Rebuild the output; ``gathered`` yields the gathered tensors in :func:`tensor_groups` order."""
     kinds = {_kind(s) for s in specs}
     kind = kinds.pop() if len(kinds) == 1 else "mixed"

@@ -41,7 +41,7 @@ _BOOT = (
 
 
 def worker_command(program: str = "worker", *args: str) -> list[str]:
-    """The command line of a worker-side program: ``"worker"`` (boot data on stdin) or ``"daemon"``."""
+    """The command line of a worker-side program: ``"worker"`` (boot data on stdin) or ``"cli"`` (``dpool-workers``)."""
     return [sys.executable, "-c", _BOOT, worker_package_dir(), program, *args]
 
 

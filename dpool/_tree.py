@@ -33,7 +33,7 @@ and cached.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import cloudpickle
 import torch
@@ -151,19 +151,3 @@ def unflatten(spec: Any, tensor: Callable[[int], Any]) -> Any:
     if tag == "P":
         return cloudpickle.loads(spec[1])
     raise ValueError(f"unknown structure tag {tag!r}")
-
-
-def iter_tensor_specs(spec: Any) -> Iterator[int]:
-    if isinstance(spec, list):
-        tag = spec[0]
-        if tag == "T":
-            yield spec[1]
-        elif tag in ("U", "L"):
-            for x in spec[1]:
-                yield from iter_tensor_specs(x)
-        elif tag in ("N",):
-            for x in spec[2]:
-                yield from iter_tensor_specs(x)
-        elif tag in ("D", "C"):
-            for x in spec[3]:
-                yield from iter_tensor_specs(x)

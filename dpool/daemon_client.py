@@ -1,6 +1,6 @@
 """The client side of the ``dpool-workers`` daemon: where pools live, and one authenticated request.
 
-The daemon itself (``workers/daemon.py``) and the library both use these; the library never
+The daemon itself (``workers/daemon.py``, driven by ``workers/cli.py``) and the library both use these; the library never
 imports the daemon. Files of a pool live in ``<runtime dir>/pools/<name>/`` (see the daemon's
 module docstring); the runtime directory is private to the user (0700).
 """

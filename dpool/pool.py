@@ -435,10 +435,6 @@ class Pool:
                     waiting.discard(idx)
 
     # ------------------------------------------------------------------ rounds
-    @property
-    def usable(self) -> bool:
-        return self._broken is None and not self._closed
-
     def check_usable(self) -> None:
         if os.getpid() != self.owner_pid:
             raise ForkedChildError(

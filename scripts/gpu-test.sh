@@ -30,7 +30,7 @@ if [ -n "$missing" ]; then
   case ":${PYTHONPATH:-}:" in *":$site:"*) ;; *) export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ;; esac
 fi
 # The worker package installs as dpool_workers; a checkout gets the name through a link (tests run
-# `python -m dpool_workers.daemon`).
+# `python -m dpool_workers.cli`).
 links=$site-links
 mkdir -p "$links" && ln -sfn "$PWD/workers" "$links/dpool_workers"
 export PYTHONPATH="$PWD:$links${PYTHONPATH:+:$PYTHONPATH}"

@@ -8,6 +8,7 @@ did, and the workers' pids (for the outer leak check).
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import os
 import signal
@@ -26,8 +27,24 @@ from tests.helpers import assert_unchanged, snapshot
 _TRIGGER = 100
 
 
+class Fault(enum.IntEnum):
+    """What :class:`Victim` does on the shard that carries the code: the one table of fault triggers."""
+
+    SLOW_FORWARD = 1  # sleeps 6 s, so that a test can kill or stop it mid-forward (faults land at 0.5 s)
+    GIL_HANG = 2  # a hang holding the GIL (Python's heartbeat stops)
+    RELEASED_HANG = 3  # a hang with the GIL released (heartbeats go on; only the step deadline catches it)
+    MEMORY_ERROR = 4
+    UNPICKLABLE_RESULT = 5
+    SLOW_BACKWARD = 6
+    SEGFAULT = 7
+    CLEAN_EXIT = 8  # os._exit(0) mid-step
+    VALUE_ERROR = 9
+    ODD_EXCEPTION = 10  # an exception whose __init__ is not (message,)
+    BACKWARD_FAILS = 11
+
+
 class Victim(nn.Module):
-    """Misbehaves on the shard whose first element is a trigger code."""
+    """Misbehaves on the shard whose first element is a :class:`Fault` code."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,30 +53,30 @@ class Victim(nn.Module):
 
     def forward(self, x):
         code = int(x[0, 0].item()) - _TRIGGER  # random data (|x| < 10) never reaches a trigger
-        if code == 1:  # sleep so that the test can kill or stop us mid-forward (faults land at 0.5 s);
-            time.sleep(6)  # after a Ctrl-C the next call waits for this to end, so keep it short
-        elif code == 2:  # GIL-holding hang
+        if code == Fault.SLOW_FORWARD:  # after a Ctrl-C the next call waits for this to end, so keep it short
+            time.sleep(6)
+        elif code == Fault.GIL_HANG:
             sum(range(10**11))
-        elif code == 3:  # progress hang with the GIL released
+        elif code == Fault.RELEASED_HANG:
             time.sleep(3600)
-        elif code == 4:
+        elif code == Fault.MEMORY_ERROR:
             bytearray(1 << 60)  # 1 EiB, beyond any x86-64 address space: MemoryError even with overcommit
-        elif code == 5:
+        elif code == Fault.UNPICKLABLE_RESULT:
             return _Unpicklable()
-        elif code == 7:
+        elif code == Fault.SEGFAULT:
             import ctypes
 
-            ctypes.string_at(0)  # segfault
-        elif code == 8:
-            os._exit(0)  # "clean" exit mid-step
-        elif code == 9:
+            ctypes.string_at(0)
+        elif code == Fault.CLEAN_EXIT:
+            os._exit(0)
+        elif code == Fault.VALUE_ERROR:
             raise ValueError("bad shard")
-        elif code == 10:
-            raise _TwoArgs(1, 2)  # an exception whose __init__ is not (message,)
+        elif code == Fault.ODD_EXCEPTION:
+            raise _TwoArgs(1, 2)
         y = self.bn(self.lin(x))
-        if code == 6:
+        if code == Fault.SLOW_BACKWARD:
             y = _SlowBackward.apply(y)
-        elif code == 11:
+        elif code == Fault.BACKWARD_FAILS:
             y = _BackwardFails.apply(y)
         return y
 
@@ -95,7 +112,7 @@ class _SlowBackward(torch.autograd.Function):
         return g
 
 
-def batch(code: int | None = None, shard: int = 1, n: int = 8, shards: int = 2) -> torch.Tensor:
+def batch(code: Fault | None = None, shard: int = 1, n: int = 8, shards: int = 2) -> torch.Tensor:
     """A batch whose shard ``shard`` (of ``shards`` equal shards; -1: every shard) carries ``code``."""
     x = torch.randn(n, 4)
     if code is not None:
@@ -132,9 +149,9 @@ def run(name: str, p: dict) -> dict:
     def trigger() -> None:
         if name == "sigkill_forward":
             _later(0.5, lambda: os.kill(target, signal.SIGKILL))
-            model(batch(1))
+            model(batch(Fault.SLOW_FORWARD))
         elif name == "sigkill_backward":
-            y = model(batch(6))
+            y = model(batch(Fault.SLOW_BACKWARD))
             # forward and backward are each transactional: the successful forward committed
             # its BatchNorm statistics (as single-process torch does); the backward must change nothing
             before.update(snapshot(net, opt))
@@ -142,33 +159,33 @@ def run(name: str, p: dict) -> dict:
             y.sum().backward()
         elif name == "kill_all":
             _later(0.5, lambda: [os.kill(q, signal.SIGKILL) for q in pids])
-            model(batch(1, shard=-1, n=4 * workers, shards=workers))
+            model(batch(Fault.SLOW_FORWARD, shard=-1, n=4 * workers, shards=workers))
         elif name == "segfault":
-            model(batch(7))
+            model(batch(Fault.SEGFAULT))
         elif name == "exit0":
-            model(batch(8))
+            model(batch(Fault.CLEAN_EXIT))
         elif name == "gil_hang":
-            model(batch(2))
+            model(batch(Fault.GIL_HANG))
         elif name == "sigstop":
             _later(0.5, lambda: os.kill(target, signal.SIGSTOP))
-            model(batch(1))
+            model(batch(Fault.SLOW_FORWARD))
         elif name == "progress_hang":
-            model(batch(3))
+            model(batch(Fault.RELEASED_HANG))
         elif name == "memory_error":
-            model(batch(4))
+            model(batch(Fault.MEMORY_ERROR))
         elif name == "result_pickling":
-            model(batch(5))
+            model(batch(Fault.UNPICKLABLE_RESULT))
         elif name == "sigint":
             # Python's own Ctrl-C handler: a coordinator started in the background by a non-interactive
             # shell (as CI may start it) inherits SIGINT ignored, and then no KeyboardInterrupt exists.
             out["sigint_at_start"] = repr(signal.getsignal(signal.SIGINT))
             signal.signal(signal.SIGINT, signal.default_int_handler)
             _later(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
-            model(batch(1))
+            model(batch(Fault.SLOW_FORWARD))
         elif name == "close_from_thread":
             closer = _later(0.5, model.close)
             try:
-                model(batch(1))
+                model(batch(Fault.SLOW_FORWARD))
             finally:
                 closer.join()
         else:
@@ -262,7 +279,7 @@ def restart_phase(phase: str) -> dict:
             # worker 0 sleeps 6 s in its forward; worker 1 dies meanwhile: worker 0's reply arrives
             # after the restart, and must not be taken for the answer to a later request
             _later(0.5, kill)
-            model(batch(1, shard=0))
+            model(batch(Fault.SLOW_FORWARD, shard=0))
         else:
             raise KeyError(phase)
         out["error"] = None

@@ -431,7 +431,7 @@ def test_daemon_gpu_workers():
     from dpool._launch import worker_command
 
     def cli(*args: str) -> subprocess.CompletedProcess:  # dpool-workers, installed or not (a GPU box's checkout)
-        return subprocess.run(worker_command("daemon", *args), capture_output=True, text=True, timeout=120)
+        return subprocess.run(worker_command("cli", *args), capture_output=True, text=True, timeout=120)
 
     def status(name: str) -> dict:
         return json.loads(cli("status", "--name", name, "--json").stdout)

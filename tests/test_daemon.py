@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=PYPATH)
-    return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dpool_workers.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -166,7 +166,7 @@ def test_tcp_listener_only_when_asked_on_loopback_and_authenticated(tcp_pool, tm
 
 
 def test_listen_argument_parsing():
-    from dpool_workers.daemon import parse_listen
+    from dpool_workers.cli import parse_listen
 
     assert parse_listen("0") == "tcp://127.0.0.1:0"  # loopback unless a host is given
     assert parse_listen("10.0.0.5:7000") == "tcp://10.0.0.5:7000"
@@ -423,7 +423,7 @@ def test_list_version_and_status_without_name(tmp_path):
     env = dict(os.environ, PYTHONPATH=PYPATH, XDG_RUNTIME_DIR=str(tmp_path))
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "dpool_workers.cli", *args], capture_output=True, text=True,
                               timeout=120, env=env, cwd=ROOT)
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:

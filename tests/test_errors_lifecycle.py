@@ -14,7 +14,7 @@ from torch import nn
 import dpool
 from tests import models
 from tests.conftest import wait_for
-from tests.fault_scenarios import Victim, batch
+from tests.fault_scenarios import Fault, Victim, batch
 from tests.helpers import assert_unchanged, run_script, snapshot
 
 
@@ -31,7 +31,7 @@ def test_remote_exception_is_typed_and_pool_survives(wrap):
     train_step(model, opt, batch())
     before = snapshot(net, opt)
     with pytest.raises(ValueError) as info:
-        model(batch(9))
+        model(batch(Fault.VALUE_ERROR))
     err = info.value
     assert isinstance(err, dpool.RemoteError)
     assert err.worker == 1 and err.pid == model.pids[1] and err.device == "cpu"
@@ -41,7 +41,7 @@ def test_remote_exception_is_typed_and_pool_survives(wrap):
     assert_unchanged(before, snapshot(net, opt))  # buffers not committed, nothing touched
     train_step(model, opt, batch())  # the same pool keeps working
     with pytest.raises(dpool.RemoteError, match=r"_TwoArgs.*1/2"):
-        model(batch(10))
+        model(batch(Fault.ODD_EXCEPTION))
 
 
 def test_backward_exception_leaves_master_untouched(wrap):
@@ -50,7 +50,7 @@ def test_backward_exception_leaves_master_untouched(wrap):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     train_step(model, opt, batch())
     model(batch()).sum().backward()  # grads present before the failing step
-    out = model(batch(11, shard=0))
+    out = model(batch(Fault.BACKWARD_FAILS, shard=0))
     before = snapshot(net, opt)  # after the (successful) forward: only the backward fails
     with pytest.raises(ArithmeticError, match="backward exploded") as info:
         out.sum().backward()

@@ -282,7 +282,7 @@ def test_wrapping_a_bound_module_again_never_binds_two_pools():
 
 # ------------------------------------------------------------------------------------------ daemon
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dpool_workers.cli", *args], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, PYTHONPATH=PYPATH), cwd=ROOT)
 
 

@@ -44,7 +44,7 @@ def daemon_pools():
     from tests.helpers import ROOT
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "dpool_workers.daemon", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "dpool_workers.cli", *args], capture_output=True, text=True,
                               timeout=120, cwd=ROOT)
 
     names = {n: f"parity{n}-{uuid.uuid4().hex[:6]}" for n in (2, 3)}

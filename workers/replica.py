@@ -15,7 +15,6 @@ State kept across steps:
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import sys
 import time
@@ -128,18 +127,6 @@ class Replica:
         }
 
     # ---------------------------------------------------------------- plumbing
-    def remember(self, name: str) -> None:
-        self.known.add(name)
-
-    def unlink_known(self) -> None:
-        for name in self.known:
-            if name.startswith("fd:"):
-                continue
-            try:
-                os.unlink(os.path.join(self.shm_dir, name))
-            except OSError:
-                pass
-
     def _seg(self, role: str, ref: list) -> Mapped:
         cur = self.segs.get(role)
         seg = attach(self.shm_dir, ref, cur)
