@@ -33,12 +33,12 @@ from .errors import (
 # other tools that only need the errors, the config or the daemon client start at once.
 _LAZY = {
     "DataParallel": "data_parallel", "wrap": "data_parallel", "unwrap": "data_parallel",
-    "is_wrapped": "data_parallel", "ShardedOutput": "_criterion", "criterion": "_criterion",
+    "is_wrapped": "data_parallel", "ShardedOutput": "loss", "criterion": "loss",
     "SyncBatchNorm": "sync_batchnorm", "convert_sync_batchnorm": "sync_batchnorm",
 }
 
 if TYPE_CHECKING:
-    from ._criterion import ShardedOutput, criterion
+    from .loss import ShardedOutput, criterion
     from .data_parallel import DataParallel, is_wrapped, unwrap, wrap
     from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 

@@ -14,7 +14,7 @@ import psutil
 import torch
 from torch import nn
 
-from ._runtime import Runtime
+from .coordinator import Runtime
 from .config import Config
 from .devices import DeviceLike, check_devices, parse_devices, pool_devices
 from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError

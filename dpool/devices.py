@@ -12,7 +12,7 @@ import psutil
 import torch
 
 from . import protocol as P
-from ._launch import client_device
+from .launch import client_device
 from .daemon_client import read_pool, request
 from .errors import DpoolTypeError, DpoolValueError
 

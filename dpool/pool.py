@@ -88,10 +88,10 @@ from .errors import (
     WorkerStartError,
     WorkerTimeoutError,
 )
-from ._tensors import from_bytes, to_bytes
+from .tensors import from_bytes, to_bytes
 from .daemon_client import locate, read_pool, request, runtime_dir
-from ._launch import WORKER_MALLOC_KEEP, visible_device, worker_command, worker_env, worker_package_dir  # noqa: F401
-from ._sweep import sweep_sockets
+from .launch import WORKER_MALLOC_KEEP, visible_device, worker_command, worker_env, worker_package_dir  # noqa: F401
+from .sweep import sweep_sockets
 from .transport import cuda_ipc, new_region
 from .transport.shm import Segment, segment_prefix
 

@@ -97,7 +97,7 @@ class TensorMeta(NamedTuple):
     """
 
     dtype: str
-    """The dtype's name (``"float32"``; see ``dpool._tensors.DTYPES``)."""
+    """The dtype's name (``"float32"``; see ``dpool.tensors.DTYPES``)."""
     shape: list
     offset: int
     """Byte offset in the region (64-byte aligned)."""
@@ -201,7 +201,7 @@ class InitDone(Message):
 class Forward(Message):
     """Run the replica on one shard.
 
-    ``tree`` encodes ``(args, kwargs)`` (see :mod:`dpool._tree`); ``tensors`` are
+    ``tree`` encodes ``(args, kwargs)`` (see :mod:`dpool.tree`); ``tensors`` are
     the metas of its tensors in the ``inputs`` segment. ``release`` lists calls
     whose autograd graphs the coordinator no longer needs. ``seed`` was drawn
     from the coordinator's generator; the shard seeds its own generator from it.

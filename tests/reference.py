@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dpool._scatter import even_sizes
+from dpool.scatter import even_sizes
 
 
 def split(obj: Any, sizes: list[int], dim: int = 0) -> list[Any]:

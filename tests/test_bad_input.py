@@ -15,7 +15,7 @@ from torch import nn
 import dpool
 from tests.conftest import leak_check
 from dpool import protocol as P
-from dpool._tensors import DTYPES
+from dpool.tensors import DTYPES
 from dpool.errors import AuthError, ProtocolError
 
 

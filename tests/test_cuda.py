@@ -428,7 +428,7 @@ def test_daemon_gpu_workers():
     import json
     import subprocess
 
-    from dpool._launch import worker_command
+    from dpool.launch import worker_command
 
     def cli(*args: str) -> subprocess.CompletedProcess:  # dpool-workers, installed or not (a GPU box's checkout)
         return subprocess.run(worker_command("cli", *args), capture_output=True, text=True, timeout=120)

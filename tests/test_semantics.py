@@ -12,7 +12,7 @@ from torch import nn
 
 import dpool
 from dpool import protocol as P
-from dpool._scatter import even_sizes, plan
+from dpool.scatter import even_sizes, plan
 from tests import models
 from tests.helpers import dataparallel
 

@@ -87,7 +87,7 @@ def cmd_start(a: argparse.Namespace) -> int:
             pass
     if a.foreground:
         return Daemon(a.name, devices, threads, listen).run()
-    from dpool._launch import worker_command
+    from dpool.launch import worker_command
 
     log = open(os.path.join(path, "daemon.log"), "ab")
     extra = ["--listen", a.listen] if a.listen is not None else []

@@ -71,7 +71,7 @@ def _pump(stream: Any, label: str) -> None:
 # ---------------------------------------------------------------------------------------- daemon
 class _W:
     def __init__(self, index: int, device: str) -> None:
-        from dpool._launch import visible_device
+        from dpool.launch import visible_device
 
         self.index, self.device = index, device
         # a GPU worker's CUDA_VISIBLE_DEVICES entry: clients translate it into their own numbering
@@ -95,7 +95,7 @@ class Daemon:
 
         from dpool import protocol as P
         from dpool.config import Config
-        from dpool._sweep import sweep
+        from dpool.sweep import sweep
 
         _log_to_stderr()
         self.name, self.devices, self.threads = name, devices, threads
@@ -158,7 +158,7 @@ class Daemon:
     def spawn(self, w: _W) -> None:
         import msgpack
 
-        from dpool._launch import worker_command, worker_env
+        from dpool.launch import worker_command, worker_env
 
         w.generation += 1
         w.steps += self.steps[w.index]  # a respawned worker counts from zero in its slot
@@ -339,7 +339,7 @@ class Daemon:
         knew of; nobody else would remove them until the next ``wrap()``.
         """
         from dpool.daemon_client import runtime_dir
-        from dpool._sweep import sweep, sweep_sockets
+        from dpool.sweep import sweep, sweep_sockets
 
         self.next_sweep = time.monotonic() + 1.0
         for name in sweep(self.config.shm_dir) + sweep_sockets(runtime_dir()):

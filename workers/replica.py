@@ -23,9 +23,9 @@ from typing import Any, Callable
 import cloudpickle
 import torch
 
-from dpool import _tree
+from dpool import tree as _tree
 from dpool import protocol as P
-from dpool._tensors import DTYPES, Placer, check_tensor, meta_nbytes, read
+from dpool.tensors import DTYPES, Placer, check_tensor, meta_nbytes, read
 from dpool.transport import attach
 from dpool.transport.shm import Mapped
 from dpool.sync_batchnorm import _set_collective

@@ -159,7 +159,7 @@ def main() -> None:
             if endpoint.startswith("ipc://"):
                 _unlink(os.path.dirname(endpoint[6:]), {os.path.basename(endpoint[6:])})
         if str(boot["device"]).startswith("cuda"):
-            from dpool._sweep import sweep_cuda_counters
+            from dpool.sweep import sweep_cuda_counters
 
             sweep_cuda_counters(int(boot["ppid"]))
         os._exit(0)
@@ -243,7 +243,7 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
 
             drop_imports()  # a client that died: its arenas' mappings go too
             if reason == "client died":
-                from dpool._sweep import sweep_cuda_counters
+                from dpool.sweep import sweep_cuda_counters
 
                 sweep_cuda_counters(int(msg.client_pid))
         _trim_heap()  # workers keep their heap while serving (see worker_env); give it back between clients
@@ -409,7 +409,7 @@ class _Collective:
         import torch
 
         from dpool import protocol as P
-        from dpool._tensors import from_bytes, to_bytes
+        from dpool.tensors import from_bytes, to_bytes
 
         data = t.detach().to(torch.float64).contiguous()
         self.seq += 1

@@ -35,7 +35,7 @@ NOTE [ CUDA ownership ]
   replies. The coordinator never waits on a worker's GPU work, so a dead or hung
   worker cannot wedge the trainer's CUDA streams.
 * Each worker sees only its own GPU (``CUDA_VISIBLE_DEVICES``, translated through
-  the coordinator's own setting by :func:`dpool._launch.visible_device`): export
+  the coordinator's own setting by :func:`dpool.launch.visible_device`): export
   tuples name device 0 there.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ coordinator creates a segment and *unlinks its name as soon as every worker
 that needs it has mapped it*. From then on the memory lives exactly as long as
 some process maps it, so a crash of any process, even ``SIGKILL`` of the whole
 process group, leaves no name behind. The only window for a leftover name is
-between creation and the next reply; :func:`dpool._sweep.sweep` removes names
+between creation and the next reply; :func:`dpool.sweep.sweep` removes names
 whose owner pid is dead, and runs at every ``wrap()``.
 
 Space is reserved with ``posix_fallocate`` before anything is mapped, so a
@@ -24,7 +24,7 @@ import secrets
 
 import torch
 
-from .._sweep import SEGMENT_NAME
+from ..sweep import SEGMENT_NAME
 from ..errors import SharedMemoryError
 from .base import Views
 

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ._tensors import check_tensor
+from .tensors import check_tensor
 from .errors import DpoolValueError
 
 __all__ = ["even_sizes", "weighted_sizes", "plan"]

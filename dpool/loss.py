@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import torch
 
-from . import _gather
+from . import gather as _gather
 from .errors import DpoolValueError
 
 if TYPE_CHECKING:
-    from ._autograd import CallState
-    from ._runtime import Runtime
+    from .bridge import CallState
+    from .coordinator import Runtime
 
 __all__ = ["ShardedOutput", "criterion"]
 

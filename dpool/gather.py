@@ -10,7 +10,7 @@ Rules (``nn.DataParallel``'s, without its crashes):
 * any other container is rebuilt as DataParallel does,
   ``type(out)(map(gather, zip(*outputs)))``: tuple and list subclasses,
   HuggingFace's ``DynamicCache`` and any type that iterates over its items and
-  can be built from them (see :mod:`dpool._tree`, tag ``"S"``);
+  can be built from them (see :mod:`dpool.tree`, tag ``"S"``);
 * every other value (strings, Python numbers, iterators, objects whose type
   cannot be rebuilt from its items: where DataParallel crashes) comes back as
   a list with one entry per shard.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from . import _tree
+from . import tree as _tree
 from .errors import GatherError
 
 __all__ = ["tensor_groups", "build"]

@@ -25,13 +25,13 @@ from typing import Any, Callable, Sequence, TypeVar
 import cloudpickle
 import torch
 
-from . import _gather, _scatter, _tree
+from . import gather as _gather, scatter as _scatter, tree as _tree
 from . import protocol as P
-from ._autograd import Bridge, CallState, DoubleBridge, DoubleState
-from ._buffers import BufferCommit
-from ._criterion import ShardedOutput, build_output, combine
-from ._layout import Layout
-from ._tensors import DTYPES, Placer, dense_strides, dtype_name, meta_nbytes as _meta_bytes, nbytes, read
+from .bridge import Bridge, CallState, DoubleBridge, DoubleState
+from .buffers import BufferCommit
+from .loss import ShardedOutput, build_output, combine
+from .layout import Layout
+from .tensors import DTYPES, Placer, dense_strides, dtype_name, meta_nbytes as _meta_bytes, nbytes, read
 from .config import Config
 from .errors import (
     DpoolValueError,
@@ -45,7 +45,7 @@ from .errors import (
 )
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
 from .pool import Pool
-from ._sweep import sweep
+from .sweep import sweep
 from .transport.shm import Segment, check_free
 
 __all__ = ["Runtime"]
@@ -715,7 +715,7 @@ class Runtime:
         if self._balance:
             for s in range(k):
                 self._observe(s, 0, replies[s].busy, rows[s])
-        # Commit: every shard succeeded, so buffer updates may reach the master (see _buffers.py).
+        # Commit: every shard succeeded, so buffer updates may reach the master (see buffers.py).
         if self.layout.buffer_range is not None:
             self._buffers.commit(self._master_buffers, self._first_buffers, self._buffer_slots[:k], rows,
                                  [replies[s].stats for s in range(k)],
@@ -728,7 +728,7 @@ class Runtime:
     # ------------------------------------------------------------------ loss on the workers
     @_one_call_at_a_time
     def criterion(self, handle: Any, crit: Any, targets: tuple) -> torch.Tensor:
-        """Compute ``crit`` on every shard of ``handle`` (see :mod:`dpool._criterion`)."""
+        """Compute ``crit`` on every shard of ``handle`` (see :mod:`dpool.loss`)."""
         pool, state = self.pool, handle._state
         pool.check_usable()
         if state.call <= self._epoch_call or state.call not in self._live:
@@ -804,7 +804,7 @@ class Runtime:
         (given directly for losses computed on the workers); otherwise sliced from ``grads``.
 
         Under ``create_graph=True`` (autograd runs this with grad mode on) the gradients returned are
-        differentiable: see :class:`dpool._autograd.DoubleBridge`.
+        differentiable: see :class:`dpool.bridge.DoubleBridge`.
         """
         pool = self.pool
         pool.check_usable()

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ._tensors import Placer, read
+from .tensors import Placer, read
 from .errors import GatherError, UnsupportedError
 
 if TYPE_CHECKING:
-    from ._runtime import Runtime
+    from .coordinator import Runtime
 
 __all__ = ["Bridge", "CallState", "DoubleBridge", "DoubleState"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._tensors import dense_strides, dtype_name, nbytes
+from .tensors import dense_strides, dtype_name, nbytes
 from .transport import align
 
 __all__ = ["Layout"]
