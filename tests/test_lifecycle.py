@@ -194,11 +194,11 @@ def test_jupyter_kernel_shut_down_gracefully_leaves_no_socket_file():
 # segment (named, mapped by nobody yet) of at least MIN bytes, the window in which a name can leak.
 KILL_AFTER_SEGMENT = """
 import os, signal, sys, torch, dpool
-import dpool.pool
+import dpool.transport.shm
 
 MIN, NTH = {min_bytes}, {nth}
 made = [0]
-Real = dpool.pool.Segment
+Real = dpool.transport.shm.Segment
 
 class KillAfterCreate(Real):
     def __init__(self, *a, **k):
@@ -209,7 +209,7 @@ class KillAfterCreate(Real):
                 print("KILLED", os.getpid(), self.name, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-dpool.pool.Segment = KillAfterCreate
+dpool.transport.shm.Segment = KillAfterCreate  # what the CPU transport creates
 {body}
 """
 
