@@ -55,6 +55,3 @@ class Config:
         if unknown:
             raise TypeError(f"unknown dpool config option(s): {sorted(unknown)}")
         return dataclasses.replace(self, **changes)
-
-    def for_worker(self) -> dict[str, Any]:
-        return {"heartbeat_interval_s": self.heartbeat_interval_s, "max_message_bytes": self.max_message_bytes}

@@ -261,13 +261,13 @@ class Runtime:
     def _start(self) -> None:
         pool = self.pool
         if self.cuda:  # fail fast, with each GPU's numbers, rather than with an OOM inside a worker
-            check_free_memory(self.devices, Layout(self.params, self.buffers).size, spawn=pool.attach is None)
+            check_free_memory(self.devices, Layout(self.params, self.buffers).size, spawn=pool.launcher.spawns)
         # Workers map the parameters through an inherited fd, so the name can go at once
         # (and a respawned worker can still map them).
-        self._bind_master(unlink=pool.attach is None)  # attached (daemon) workers map it by name
+        self._bind_master(unlink=pool.launcher.spawns)  # attached (daemon) workers map it by name
         self._pickle_model()  # an unpicklable model fails here, before ~a second of worker start-up
         pool.start([self.master.fd] if self.master.fd is not None else [])
-        self._ship(by_name=pool.attach is not None, pickled=True)
+        self._ship(by_name=not pool.launcher.spawns, pickled=True)
         self._watch()
 
     def _bind_master(self, unlink: bool) -> None:

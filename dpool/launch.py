@@ -1,15 +1,36 @@
-"""How dpool starts its worker-side programs: their command line and environment.
+"""How dpool starts its workers: their command line, environment and boot message, and the launcher seam.
+
+A pool gets its workers from a :class:`Launcher`. Two implement it:
+
+* :class:`Spawn` (here): start our own worker processes, our children;
+* :class:`dpool.attach.Lease`: borrow the warm workers of a ``dpool-workers`` daemon.
+
+The pool calls the launcher for everything that depends on where its workers
+come from (starting, restarting, ending them, and explaining a death), and
+nothing else in dpool asks which one it has.
 
 Torch-free on purpose: the ``dpool-workers`` daemon and CLI use it without paying torch's import.
 """
 from __future__ import annotations
 
+import collections
 import importlib.util
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from . import protocol as P
+from .errors import DpoolError, WorkerDiedError, WorkerStartError
+
+if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
+    from .pool import Pool
 
 __all__ = ["worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
-           "WORKER_MALLOC_KEEP"]
+           "WORKER_MALLOC_KEEP", "Worker", "Launcher", "Spawn", "start_worker", "signal_name", "show_output"]
 
 _DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,3 +115,218 @@ def client_device(entry: str, where: str = "") -> str:
         f"{where or 'a worker'} runs on GPU {entry!r} (its CUDA_VISIBLE_DEVICES entry), which this process does not see "
         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); run with the daemon's CUDA_VISIBLE_DEVICES, "
         "or unset it in both")
+
+
+# ---------------------------------------------------------------------------- processes
+_STDERR_TAIL = 40  # lines of a worker's stderr kept for the error that reports its death
+
+
+def signal_name(returncode: int) -> str | None:
+    """``"SIGKILL"`` for a process killed by SIGKILL (``returncode`` -9), ``None`` for a normal exit."""
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return None
+
+
+def show_output(label: str, text: str, to_stderr: bool) -> None:
+    """Write a worker's output to ours, each line labelled with the worker index."""
+    out = sys.stderr if to_stderr else sys.stdout
+    try:
+        out.write("".join(f"[{label}] {line}\n" for line in text.rstrip("\n").split("\n")))
+        out.flush()
+    except Exception:  # interpreter shutting down, closed capture, ...
+        pass
+
+
+Sink = Callable[[str, str, bool], None]  # (label, text, from stderr)
+
+
+def _pump(stream: Any, label: str, tail: collections.deque | None, to_stderr: bool, sink: Sink) -> None:
+    """Copy a worker's output pipe to ``sink``, line by line."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        if tail is not None:
+            tail.append(line)
+        sink(label, line, to_stderr)
+    stream.close()
+
+
+def start_worker(boot: P.Boot, threads: int, pass_fds: Sequence[int], label: str,
+                 tail: collections.deque | None = None,
+                 sink: Sink = show_output) -> tuple[subprocess.Popen, list[threading.Thread]]:
+    """Start one worker process and hand it ``boot`` on its stdin (a pipe only we hold).
+
+    A GPU worker sees only its own GPU, as ``cuda:0`` (``boot.device`` is rewritten so).
+    Its stdout and stderr go to ``sink`` (ours, labelled, by default); the last lines of stderr to ``tail``.
+    """
+    env = worker_env(threads)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # worker output reaches us as it is written
+    if boot.device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = visible_device(int(boot.device.split(":")[1]))
+        boot.device = "cuda:0"
+    proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, close_fds=True, pass_fds=list(pass_fds))
+    threads_ = []
+    for stream, t, err in ((proc.stdout, None, False), (proc.stderr, tail, True)):
+        th = threading.Thread(target=_pump, args=(stream, label, t, err, sink), name=f"{label} output", daemon=True)
+        th.start()
+        threads_.append(th)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(boot.pack())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died at start: its exit and stderr are reported by whoever waits for its hello
+    return proc, threads_
+
+
+class Worker:
+    """One worker as the pool sees it: index, device, process, and what the pool tracks about it."""
+
+    __slots__ = ("index", "device", "proc", "pidfd", "pid", "stderr_tail", "threads", "alive", "ident", "exports")
+
+    def __init__(self, index: int, device: str, generation: int = 0) -> None:
+        self.index = index
+        # A respawned worker gets a new identity: replies are matched to the current process only.
+        self.ident = b"w%d.%d" % (index, generation)
+        self.device = device
+        self.proc: subprocess.Popen | None = None  # ours to wait for (spawned), or None (a daemon's)
+        self.pid = -1
+        self.pidfd: int | None = None
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
+        self.threads: list[threading.Thread] = []
+        self.alive = True
+        self.exports: list = []  # CUDA IPC reference-counter slots this process imported (see dpool.transport.cuda_ipc)
+
+    def where(self) -> str:
+        return f"worker {self.index} ({self.device}, pid {self.pid})"
+
+    def reap(self) -> None:
+        """Collect the exit status of a worker that is our child (a daemon's worker is the daemon's to reap)."""
+        if self.proc is not None:
+            self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL our child (waking it first if it is stopped) and reap it; no-op if gone or not ours."""
+        proc = self.proc
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                proc.kill()
+            proc.wait()
+        self.alive = False
+
+
+# ---------------------------------------------------------------------------- the seam
+class Launcher:
+    """Where a pool's workers come from: the interface :class:`Spawn` and :class:`~dpool.attach.Lease` implement."""
+
+    verb = "started"
+    """How the log says the workers came to be."""
+    spawns = True
+    """Whether the workers are new processes of ours: they inherit fds (a daemon's workers map shared
+    memory by name instead), need a CUDA context each, and :meth:`respawn` can replace a dead one (a
+    daemon restarts its own)."""
+
+    def start(self, pool: "Pool") -> None:
+        """Make every worker of ``pool`` run and connect to ``pool.endpoint`` (the pool awaits the hellos)."""
+        raise NotImplementedError
+
+    def respawn(self, pool: "Pool", w: Worker) -> None:
+        """Start a fresh process for the (reaped) worker ``w``."""
+        raise NotImplementedError
+
+    def end(self, pool: "Pool", grace: float) -> None:
+        """End the workers' service to ``pool``: within ``grace`` seconds if they cooperate, by force after."""
+        raise NotImplementedError
+
+    def kill_hung(self, w: Worker) -> None:
+        """Kill a worker whose stacks were just dumped (hung or past its deadline)."""
+        raise NotImplementedError
+
+    def death(self, pool: "Pool", w: Worker, stage: str, others: Sequence[Worker], detail: str) -> DpoolError:
+        """The error that reports ``w``'s death (and ``others``', found dead at the same time)."""
+        raise NotImplementedError
+
+
+class Spawn(Launcher):
+    """Our own workers: child processes started with :func:`start_worker`, killed and reaped by us."""
+
+    def start(self, pool: "Pool") -> None:
+        for w in pool.workers:
+            self.respawn(pool, w)
+
+    def respawn(self, pool: "Pool", w: Worker) -> None:
+        boot = P.Boot("embedded", pool.key, pool.endpoint, w.index, w.ident, w.device, os.getpid(), pool.threads,
+                      pool.config.shm_dir, pool.prefix, pool.control.fd_ref(), None,
+                      pool.config.heartbeat_interval_s, pool.config.max_message_bytes)
+        w.proc, w.threads = start_worker(boot, pool.threads, pool.inherited_fds, f"dpool worker {w.index}",
+                                         w.stderr_tail)
+        w.pid = w.proc.pid
+        pool.watch(w)
+
+    def end(self, pool: "Pool", grace: float) -> None:
+        if grace > 0:
+            for w in pool.workers:
+                if w.alive and w.proc is not None and w.proc.poll() is None:
+                    pool.tell(w, P.Shutdown())
+            deadline = time.monotonic() + grace
+            for w in pool.workers:
+                if w.proc is None:
+                    continue
+                try:
+                    w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for w in pool.workers:
+            pool.kill(w)
+
+    def kill_hung(self, w: Worker) -> None:
+        assert w.proc is not None
+        try:
+            w.proc.wait(timeout=0.3)  # the dump is written before it dies
+        except subprocess.TimeoutExpired:
+            pass
+        w.proc.kill()
+
+    def death(self, pool: "Pool", w: Worker, stage: str, others: Sequence[Worker], detail: str) -> DpoolError:
+        assert w.proc is not None
+        if w.proc.poll() is None:
+            try:
+                w.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        rc = w.proc.returncode
+        sig = signal_name(rc) if rc is not None else None
+        how = f"was killed by {sig}" if sig else f"exited with code {rc}"
+        hint = ""
+        if sig == "SIGKILL":
+            hint = " A SIGKILL nobody sent on purpose is usually the out-of-memory killer: check dmesg and memory limits."
+        elif sig in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGABRT"):
+            hint = " The worker crashed in native code; its faulthandler traceback (stderr) follows."
+        elif rc == 0:
+            hint = " The model code (or a library) exited the process, e.g. sys.exit() in forward."
+        if stage == "starting":
+            for t in w.threads:
+                t.join(timeout=1.0)  # its last words, before they are quoted
+        tail = "".join(w.stderr_tail).rstrip()
+        text = f"{w.where()} {how} while {stage} at step {pool.step}{detail}.{hint}"
+        if others:
+            text += " Also dead: " + ", ".join(
+                f"{o.where()} ({signal_name(o.proc.returncode) or 'exit ' + str(o.proc.returncode)})"
+                for o in others if o.proc is not None) + "."
+        if tail:
+            text += "\n--- last stderr of worker %d ---\n%s" % (w.index, tail[-4000:])
+        if stage == "starting":
+            return WorkerStartError(text)
+        return WorkerDiedError(
+            text, worker=w.index, device=w.device, pid=w.pid, step=pool.step,
+            exitcode=rc if rc is not None and rc >= 0 else None, signal_name=sig,
+            workers=[w.index] + [o.index for o in others],
+        )

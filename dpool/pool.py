@@ -7,7 +7,8 @@
     Pool.__init__
       runtime dir 0700, key = 32 random bytes
       ROUTER bind ipc://<dir>/<prefix>.sock
-      Popen ×N ── stdin: key, endpoint, index, device ──>  watchdog thread (pidfd of the parent)
+      launcher.start (Spawn: Popen ×N ── stdin: boot ──>   watchdog thread (pidfd of the parent)
+                      Lease: see dpool.attach)
       pidfd_open(worker)                                   heartbeat thread → control segment
                   <────────────── hello ────────────────   DEALER connect
     request(init) ──────────── init ──────────────────>   unpickle model, map segments
@@ -18,10 +19,12 @@
 
 NOTE [ dpool shutdown ]
 =======================
-*Who ends what.* The coordinator owns every worker. ``Pool.close()`` sends
-``shutdown`` to each worker, waits ``shutdown_timeout_s`` on the workers'
-pidfds, then SIGKILLs the rest and reaps them; it returns only when every
-worker has been joined. It is idempotent, registered with ``atexit`` (through
+*Who ends what.* The coordinator owns every worker it spawned. ``Pool.close()``
+asks its launcher to end them: :class:`~dpool.launch.Spawn` sends ``shutdown``
+to each worker, waits ``shutdown_timeout_s`` on them, then SIGKILLs the rest
+and reaps them; :class:`~dpool.attach.Lease` tells a daemon's workers to drop
+our replica and gives the lease back. ``close()`` returns only when every
+worker has been joined (or handed back). It is idempotent, registered with ``atexit`` (through
 a weakref, so an unreferenced pool is closed by the GC too) and safe to call
 from another thread: it kills the workers first, which wakes a waiting round,
 and only touches the socket when no round is running.
@@ -52,120 +55,57 @@ closes the pool.
 worker has mapped them, so no crash leaves a name behind, and ``wrap()``
 sweeps names whose owner pid is dead.
 
-*Sockets.* LINGER is 0 on every socket, so ``close()`` never waits on
-undelivered messages; ROUTER_MANDATORY plus SNDTIMEO turn a send to a
+*Sockets.* See :mod:`dpool.channel`: LINGER is 0, so ``close()`` never waits
+on undelivered messages; ROUTER_MANDATORY plus SNDTIMEO turn a send to a
 vanished or stalled worker into an error instead of a silent drop.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import secrets
 import select
 import signal
-import subprocess
-import sys
 import threading
 import time
 import warnings
 import weakref
 from typing import Any, Sequence
 
-import msgpack
 import psutil
 import torch
 import zmq
 
 from . import protocol as P
+from .attach import Lease
+from .channel import Channel
+from .collectives import AllReduceHub
 from .config import Config
-from .errors import (
-    DaemonLostError,
-    ForkedChildError,
-    PoolBrokenError,
-    ProtocolError,
-    WorkerDiedError,
-    WorkerStartError,
-    WorkerTimeoutError,
-)
-from .tensors import from_bytes, to_bytes
-from .daemon_client import locate, read_pool, request, runtime_dir
-from .launch import WORKER_MALLOC_KEEP, visible_device, worker_command, worker_env, worker_package_dir  # noqa: F401
+from .daemon_client import runtime_dir
+from .errors import ForkedChildError, PoolBrokenError, ProtocolError, WorkerStartError, WorkerTimeoutError
+from .launch import Launcher, Spawn, Worker, show_output
 from .sweep import sweep_sockets
 from .transport import cuda_ipc, new_region
 from .transport.shm import Segment, segment_prefix
 
-__all__ = ["Pool", "runtime_dir", "worker_command", "worker_env"]
+__all__ = ["Pool"]
 
 log = logging.getLogger("dpool")
-
-_STDERR_TAIL = 40
-
-
-
-
-
-
-def _signal_name(returncode: int) -> str | None:
-    if returncode < 0:
-        try:
-            return signal.Signals(-returncode).name
-        except ValueError:
-            return f"signal {-returncode}"
-    return None
-
-
-class _Worker:
-    __slots__ = ("index", "device", "proc", "pidfd", "pid", "stderr_tail", "threads", "alive", "seq_in", "ident",
-                 "exports")
-
-    def __init__(self, index: int, device: str, generation: int = 0) -> None:
-        self.index = index
-        # A respawned worker gets a new identity: replies are matched to the current process only.
-        self.ident = b"w%d.%d" % (index, generation)
-        self.device = device
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
-        self.threads: list[threading.Thread] = []
-        self.alive = True
-        self.seq_in = -1
-        self.exports: list = []  # CUDA IPC reference-counter slots this process imported (see dpool.transport.cuda_ipc)
-
-    def where(self) -> str:
-        return f"worker {self.index} ({self.device}, pid {self.pid})"
-
-
-def _show(label: str, text: str, to_stderr: bool) -> None:
-    """Write a worker's output to ours, each line labelled with the worker index."""
-    out = sys.stderr if to_stderr else sys.stdout
-    try:
-        out.write("".join(f"[{label}] {line}\n" for line in text.rstrip("\n").split("\n")))
-        out.flush()
-    except Exception:  # interpreter shutting down, closed capture, ...
-        pass
-
-
-def _pump(stream: Any, label: str, tail: collections.deque | None, to_stderr: bool) -> None:
-    """Copy an embedded worker's output pipe to ours, line by line."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace")
-        if tail is not None:
-            tail.append(line)
-        _show(label, line, to_stderr)
-    stream.close()
 
 
 class Pool:
     """N long-lived worker processes, and the rounds of messages exchanged with them.
 
     Args:
-        devices: one device string per worker (``"cpu"``).
+        devices: one device string per worker (``"cpu"``, ``"cuda:i"``).
         config: limits and timeouts.
         threads: torch intra-op threads for each worker.
+        attach: the name of a ``dpool-workers`` pool whose workers to lease (see :mod:`dpool.attach`),
+            or ``None`` to spawn our own (:class:`dpool.launch.Spawn`).
     """
 
     def __init__(self, devices: Sequence[str], config: Config, threads: int, attach: str | None = None) -> None:
-        self.attach = attach  # name of a dpool-workers pool to borrow workers from, or None: spawn our own
-        self.daemon_pid = -1
+        self.launcher: Launcher = Lease(attach) if attach is not None else Spawn()
         self.devices = list(devices)
         # Per GPU of ours: the interprocess event recorded before each request (NOTE [ CUDA ownership ])
         self._events: dict[int, Any] = {}
@@ -180,39 +120,31 @@ class Pool:
         self._in_round = False
         self._segments: list[Segment] = []
         self._seg_counter = 0
-        self.rejected = 0  # control messages dropped by authentication or validation
         self._generation = 0
         self._round: set[int] = set()
-        self._round_aborted = False
         self.exiting: set[int] = set()  # workers that replied CONTEXT_LOST and are exiting
-        self._collectives: dict[int, dict[int, bytes]] = {}
-        self._key = secrets.token_bytes(32)
-        self.codec = P.Codec(self._key, config.max_message_bytes)
-        self._seq_out = 0
+        self._hub = AllReduceHub()
+        self.key = secrets.token_bytes(32)
         self._pending = [0] * len(self.devices)
-        self.workers = [_Worker(i, d) for i, d in enumerate(self.devices)]
+        self.workers = [Worker(i, d) for i, d in enumerate(self.devices)]
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.SNDTIMEO, 5000)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + 1024)
+        self.chan = Channel(self._ctx, True, self.key, config.max_message_bytes, send_timeout_ms=5000,
+                            on_reject=self._rejected)
         rdir = runtime_dir()
         sweep_sockets(rdir)  # socket files of coordinators that died without cleaning up
         self.sock_path = os.path.join(rdir, self.prefix + ".sock")
         self.endpoint = "ipc://" + self.sock_path
         self._poller = zmq.Poller()
-        self._pass_fds: list[int] = []
+        self.inherited_fds: list[int] = []  # what spawned workers inherit: the control segment, the master's
         # Runs at GC of an unreferenced pool and at interpreter exit; holds no reference to self.
         self._finalizer = weakref.finalize(self, _reap, self.owner_pid, self.workers, self._segments,
-                                          self.sock_path, self._sock, self._ctx)
+                                          self.sock_path, self.chan, self._ctx)
         try:
-            self._sock.bind(self.endpoint)
-            os.chmod(self.sock_path, 0o600)
-            self._poller.register(self._sock, zmq.POLLIN)
+            self.chan.bind(self.endpoint)
+            self._poller.register(self.chan.sock, zmq.POLLIN)
             # Heartbeat slots: one int64 (CLOCK_MONOTONIC ns) per worker, passed to workers by fd.
             self.control = self.new_segment(8 * max(1, len(self.devices)), min_size=4096, keep_fd=True)
-            if attach is None:
+            if self.launcher.spawns:
                 self.control.unlink()  # our own workers map it by inherited fd
             self.control.u8[: 8 * len(self.devices)].view(torch.int64).fill_(time.monotonic_ns())
             self._beats = memoryview(self.control.mmap).cast("q")  # plain ints: no tensor op per check
@@ -220,24 +152,36 @@ class Pool:
             self.close()
             raise
 
+    @property
+    def rejected(self) -> int:
+        """Control messages dropped by authentication or validation."""
+        return self.chan.rejected
+
+    def _rejected(self, peer: bytes, exc: ProtocolError) -> None:
+        # Never decoded further and never answered: a foreign or corrupted message must not be able to
+        # break the pool. Counted, and reported the first few times.
+        if self.chan.rejected <= 3:
+            warnings.warn(f"dpool dropped a control message from {peer!r}: {exc}", RuntimeWarning, stacklevel=4)
+
+    def rekey(self, key: bytes) -> None:
+        """Authenticate with ``key`` from now on (a leased pool's session key)."""
+        self.key = key
+        self.chan.rekey(key)
+
+    # ------------------------------------------------------------------ start
     def start(self, fds: Sequence[int] = ()) -> None:
-        """Spawn every worker, passing it ``fds`` (plus the control segment), and wait for its hello."""
-        assert self.control.fd is not None
-        self._pass_fds = [self.control.fd, *fds]
+        """Start every worker through the launcher, passing it ``fds`` (plus the control segment), and wait for its hello."""
+        self.pass_fds(fds)
         try:
-            if self.attach is not None:
-                self._attach_daemon()
-            else:
-                for w in self.workers:
-                    self._spawn(w)
+            self.launcher.start(self)
             t0 = time.monotonic()
             self._await_hello({w.index for w in self.workers})
             self.control.unlink()
             # Connected peers keep their connections; the name is only needed to connect. Removing it now
             # leaves nothing behind however this process ends (a kernel manager's killpg included).
             _unlink_socket(self.sock_path)
-            log.info("%s %d worker(s) on %s (pids %s) in %.2f s", "attached" if self.attach else "started",
-                     len(self.workers), self.devices, [w.pid for w in self.workers], time.monotonic() - t0)
+            log.info("%s %d worker(s) on %s (pids %s) in %.2f s", self.launcher.verb, len(self.workers), self.devices,
+                     [w.pid for w in self.workers], time.monotonic() - t0)
         except BaseException:
             self.close()
             raise
@@ -245,86 +189,52 @@ class Pool:
     def pass_fds(self, fds: Sequence[int]) -> None:
         """The fds (besides the control segment's) that workers spawned from now on inherit."""
         assert self.control is not None and self.control.fd is not None
-        self._pass_fds = [self.control.fd, *fds]
+        self.inherited_fds = [self.control.fd, *fds]
 
-    def _attach_daemon(self) -> None:
-        """Borrow the warm workers of the ``dpool-workers`` pool ``self.attach`` (see workers/daemon.py)."""
-
-        name = self.attach
-        assert name is not None
-        endpoint, pool_key, _ = locate(name)
-        if endpoint.startswith("tcp://"):
-            # The workers reach us the way we reach the daemon: over TCP, on loopback. The session
-            # socket is authenticated like every other (a peer without the session key is dropped).
-            self._sock.bind("tcp://127.0.0.1:0")
-            session_endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        else:
-            session_endpoint = self.endpoint
-        nonce = secrets.token_bytes(32)
-        self._key = P.session_key(pool_key, nonce)  # the daemon derives the same key; it is never sent
-        self.codec = P.Codec(self._key, self.config.max_message_bytes)
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        ask = P.Attach(os.getpid(), session_endpoint, nonce, self.control.ref(), P.PROTOCOL_VERSION,
-                              self.config.max_message_bytes)
-        while True:
-            reply = request(name, ask, timeout=5.0)
-            if reply.ok:
-                break
-            if reply.error.startswith("busy") and time.monotonic() < deadline:
-                time.sleep(0.05)  # the previous client's workers are still releasing its memory
-                continue
-            raise WorkerStartError(f"cannot attach to dpool-workers pool {name!r}: {reply.error}")
-        self.daemon_pid = reply.daemon_pid
-        try:
-            self._daemon_fd = os.pidfd_open(self.daemon_pid)  # readable once it exits (zombie or not)
-        except ProcessLookupError:
-            raise WorkerStartError(
-                f"dpool-workers pool {name!r} answered from daemon pid {self.daemon_pid}, which this process "
-                "cannot see: a client must share the pool's host, process IDs and /dev/shm"
-            ) from None
-        self.threads = reply.threads
-        for idx, _device, pid, ident in reply.workers:  # devices: ours, translated from the pool's state
-            w = self.workers[idx]
-            w.pid, w.ident, w.proc = pid, ident, None
-            w.pidfd = os.pidfd_open(pid)
-            self._poller.register(w.pidfd, zmq.POLLIN)
+    def watch(self, w: Worker) -> None:
+        """Follow ``w``'s process (``w.pid``) through a pidfd: its exit wakes every wait of a round."""
+        w.pidfd = os.pidfd_open(w.pid)  # readable once it exits (zombie or not)
+        self._poller.register(w.pidfd, zmq.POLLIN)
 
     def respawn(self, indices: Sequence[int]) -> None:
         """Replace the (dead or hung) workers ``indices`` by fresh processes; they still need ``init``."""
         # A fresh name to connect to (the first one was removed once every worker had connected).
         self.sock_path = os.path.join(os.path.dirname(self.sock_path), f"{self.prefix}-r{self._generation + 1}.sock")
         self.endpoint = "ipc://" + self.sock_path
-        self._sock.bind(self.endpoint)
-        os.chmod(self.sock_path, 0o600)
+        self.chan.bind(self.endpoint)
         for idx in indices:
             old = self.workers[idx]
-            self._reap_one(old)
+            self._forget(old)
             self._generation += 1
-            w = _Worker(idx, old.device, self._generation)
+            w = Worker(idx, old.device, self._generation)
             self.workers[idx] = w
             self.exiting.discard(idx)
             self._pending[idx] = 0
             self._beats[idx] = time.monotonic_ns()
-            self._spawn(w)
+            self.launcher.respawn(self, w)
         try:
             self._await_hello(set(indices))
         finally:
             _unlink_socket(self.sock_path)
 
-    def _reap_one(self, w: _Worker) -> None:
-        _kill_and_join(w)
-        fd = getattr(w, "pidfd", None)
-        if fd is not None:
+    def _forget(self, w: Worker) -> None:
+        """Kill and reap ``w`` and release everything we held for it."""
+        self.kill(w)
+        if w.pidfd is not None:
             try:
-                self._poller.unregister(fd)
+                self._poller.unregister(w.pidfd)
             except KeyError:
                 pass
-            os.close(fd)
+            os.close(w.pidfd)
             w.pidfd = None
         for t in w.threads:
             t.join(timeout=2.0)
+        self.chan.forget(w.ident)
 
-    # ------------------------------------------------------------------ start
+    def kill(self, w: Worker) -> None:
+        """Kill and reap one of our workers (no-op for a daemon's), releasing its CUDA IPC counters."""
+        _kill(w)
+
     def new_segment(self, size: int, min_size: int = 1 << 20, keep_fd: bool = False, device: str = "cpu",
                     owner: int | None = None) -> Any:
         """Create a segment of at least ``size`` bytes, tracked for unlinking on close.
@@ -365,50 +275,6 @@ class Pool:
             seg.unlink()
         self._segments[:] = [s for s in self._segments if s.linked]
 
-    def _spawn(self, w: _Worker) -> None:
-        env = worker_env(self.threads)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        device = w.device
-        if device.startswith("cuda"):  # the worker sees only its own GPU, as cuda:0
-            env["CUDA_VISIBLE_DEVICES"] = visible_device(int(device.split(":")[1]))
-            device = "cuda:0"
-        w.proc = subprocess.Popen(
-            worker_command(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-            pass_fds=self._pass_fds,
-        )
-        w.pid = w.proc.pid
-        w.pidfd = os.pidfd_open(w.pid)
-        self._poller.register(w.pidfd, zmq.POLLIN)
-        label = f"dpool worker {w.index}"
-        for stream, tail, err in ((w.proc.stdout, None, False), (w.proc.stderr, w.stderr_tail, True)):
-            t = threading.Thread(target=_pump, args=(stream, label, tail, err), name=f"{label} output", daemon=True)
-            t.start()
-            w.threads.append(t)
-        boot = {
-            "key": self._key,
-            "endpoint": self.endpoint,
-            "index": w.index,
-            "ident": w.ident,
-            "device": device,
-            "ppid": os.getpid(),
-            "threads": self.threads,
-            "shm_dir": self.config.shm_dir,
-            "prefix": self.prefix,  # on our death the worker removes every name with it (segments, socket)
-            "control": self.control.fd_ref(),
-            "config": self.config.for_worker(),
-        }
-        assert w.proc.stdin is not None
-        try:
-            w.proc.stdin.write(msgpack.packb(boot, use_bin_type=True))
-            w.proc.stdin.close()
-        except BrokenPipeError:
-            pass  # it died at start: reported by _await_hello with its stderr
-
     def _await_hello(self, waiting: set[int]) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while waiting:
@@ -421,8 +287,8 @@ class Pool:
                 )
             events = dict(self._poller.poll(int(min(remaining, 0.5) * 1000) + 1))
             self._check_exits(events, stage="starting")
-            if self._sock in events:
-                for idx, msg in self._drain():
+            if self.chan.sock in events:
+                for idx, msg in self.drain():
                     if idx not in waiting:
                         continue
                     if not isinstance(msg, P.Hello):
@@ -468,8 +334,7 @@ class Pool:
         with self._lock:
             self._in_round = True
             self._round = set(msgs)
-            self._round_aborted = False
-            self._collectives = {}
+            self._hub.begin(len(msgs))
             try:
                 for d, event in self._events.items():  # workers' streams wait for what we queued so far
                     event.record(torch.cuda.current_stream(d))
@@ -486,39 +351,33 @@ class Pool:
 
     def _send(self, idx: int, msg: P.Message) -> None:
         w = self.workers[idx]
-        self._seq_out += 1
-        frame = self.codec.encode(msg, self._seq_out)
         try:
-            self._sock.send(w.ident, zmq.SNDMORE)
-            self._sock.send(frame)
+            self.chan.send(msg, w.ident)
         except zmq.ZMQError as exc:
-            self._raise_dead(w, f"sending {msg.op}", detail=f" (send failed: {exc})")
+            raise self.launcher.death(self, w, f"sending {msg.op}", (), f" (send failed: {exc})") from None
         self._pending[idx] += 1
 
-    def _drain(self) -> list[tuple[int, P.Message]]:
+    def tell(self, w: Worker, msg: P.Message) -> bool:
+        """Send ``msg`` to ``w`` outside a round, without blocking or raising; whether it was sent."""
+        if self._in_round:
+            return False
+        return self.chan.try_send(msg, w.ident)
+
+    def _reply(self, idx: int, msg: P.Message) -> None:
+        self.chan.try_send(msg, self.workers[idx].ident)  # a worker that is gone is reported by its exit sentinel
+
+    def drain(self) -> list[tuple[int, P.Message]]:
+        """Every message from a current worker queued now (replies owed to abandoned rounds are dropped)."""
         out = []
-        sock = self._sock
-        while sock.get(zmq.EVENTS) & zmq.POLLIN:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            ident, body = frames[0], frames[1:]
+        for ident, msg in self.chan.drain():
             idx = self._index_of(ident)
-            try:
-                if idx < 0:
-                    raise ProtocolError(f"message from unknown peer {ident!r}")
-                seq, msg = self.codec.decode(body)
-                w = self.workers[idx]
-                if seq <= w.seq_in:
-                    raise ProtocolError(f"replayed or reordered message (seq {seq} ≤ {w.seq_in})")
-            except ProtocolError as exc:
-                # Never decoded further and never answered: a foreign or corrupted message must not be
-                # able to break the pool. Counted, and reported once per kind.
-                self.rejected += 1
-                if self.rejected <= 3:
-                    warnings.warn(f"dpool dropped a control message from {ident!r}: {exc}", RuntimeWarning, stacklevel=2)
+            if idx < 0:
+                # authenticated but from no current worker (a replaced one's last words): dropped
+                self.chan.rejected += 1
+                self._rejected(ident, ProtocolError(f"message from unknown peer {ident!r}"))
                 continue
-            w.seq_in = seq
-            if isinstance(msg, P.Output):  # an attached worker's prints: shown as embedded workers' are
-                _show(f"dpool worker {idx}", msg.text, msg.stream == 2)
+            if isinstance(msg, P.Output):  # an attached worker's prints: shown as spawned workers' are
+                show_output(f"dpool worker {idx}", msg.text, msg.stream == 2)
                 continue
             if not isinstance(msg, (P.Hello, P.AllReduce)):
                 # A reply. Every reply settles one request, wherever it is read: a reply owed by an
@@ -529,43 +388,6 @@ class Pool:
                     continue
             out.append((idx, msg))
         return out
-
-    # ------------------------------------------------------------------ collectives
-    def _allreduce(self, idx: int, msg: P.AllReduce) -> None:
-        """Hub of the workers' all-reduces (SyncBatchNorm): sum once every shard of the round sent its part."""
-        if self._round_aborted:
-            self._reply_collective(idx, P.AllReduceDone(msg.seq, b"", True))
-            return
-        parts = self._collectives.setdefault(msg.seq, {})
-        parts[idx] = msg.data
-        if len(parts) < len(self._round):
-            return
-        del self._collectives[msg.seq]
-        sizes = {len(d) for d in parts.values()}
-        if len(sizes) != 1 or next(iter(sizes)) % 8:
-            self._abort_collectives()
-            return
-        total = torch.zeros(next(iter(sizes)) // 8, dtype=torch.float64)
-        for d in parts.values():
-            total += from_bytes(d, torch.float64)
-        data = to_bytes(total)
-        for w in parts:
-            self._reply_collective(w, P.AllReduceDone(msg.seq, data, False))
-
-    def _abort_collectives(self) -> None:
-        """A shard failed: release every worker blocked in a collective of this round."""
-        self._round_aborted = True
-        for seq, parts in self._collectives.items():
-            for w in parts:
-                self._reply_collective(w, P.AllReduceDone(seq, b"", True))
-        self._collectives.clear()
-
-    def _reply_collective(self, idx: int, msg: P.Message) -> None:
-        self._seq_out += 1
-        try:
-            self._sock.send_multipart([self.workers[idx].ident, self.codec.encode(msg, self._seq_out)], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the worker is gone; its death is reported by the exit sentinel
 
     def _index_of(self, ident: bytes) -> int:
         for w in self.workers:
@@ -594,16 +416,16 @@ class Pool:
                     worker=idx, device=w.device, pid=w.pid, step=self.step,
                 )
             events = dict(self._poller.poll(int(min(deadline - now, tick) * 1000) + 1))
-            if self._sock in events:
-                for idx, msg in self._drain():
+            if self.chan.sock in events:
+                for idx, msg in self.drain():
                     if isinstance(msg, P.AllReduce):
-                        self._allreduce(idx, msg)
+                        self._hub.offer(idx, msg, self._reply)
                         continue
                     if idx in need:
                         replies[idx] = msg
                         need.discard(idx)
                         if isinstance(msg, P.Failed):
-                            self._abort_collectives()
+                            self._hub.abort(self._reply)
                             if msg.stage.endswith(P.CONTEXT_LOST):
                                 self.exiting.add(idx)  # its exit is announced: not a death to report
             self._check_exits(events, stage=stage)
@@ -628,8 +450,7 @@ class Pool:
             w = self.workers[idx]
             if w.alive and events.get(w.pidfd):
                 w.alive = False
-                if w.proc is not None:
-                    w.proc.wait()
+                w.reap()
         dead = [w for w in self.workers if w.alive and events.get(w.pidfd)]
         if not dead:
             return
@@ -642,182 +463,42 @@ class Pool:
             return
         for w in dead:
             w.alive = False
-            if w.proc is not None:
-                w.proc.wait()
-        self._raise_dead(dead[0], stage, others=dead[1:])
+            w.reap()
+        raise self.launcher.death(self, dead[0], stage, dead[1:], "")
 
-    def _raise_dead(self, w: _Worker, stage: str, others: Sequence[_Worker] = (), detail: str = "") -> None:
-        if w.proc is None:  # a daemon's worker: not our child, so no exit status
-            fd = getattr(self, "_daemon_fd", None)
-            if (fd is not None and select.select([fd], [], [], 0.2)[0]) or self._daemon_stopping():
-                raise DaemonLostError(
-                    f"the dpool-workers daemon of pool {self.attach!r} (pid {self.daemon_pid}) is gone or was "
-                    f"stopped: {w.where()} "
-                    f"exited while {stage} at step {self.step}. The master module is unchanged (dpool.unwrap(model) "
-                    f"returns it); start the pool again (dpool-workers start --name {self.attach}) and wrap again."
-                )
-            raise WorkerDiedError(
-                f"{w.where()} of dpool-workers pool {self.attach!r} died while {stage} at step {self.step}; the "
-                f"daemon restarts it (see dpool-workers status --name {self.attach}).",
-                worker=w.index, device=w.device, pid=w.pid, step=self.step,
-                workers=[w.index] + [o.index for o in others],
-            )
-        if w.proc.poll() is None:
-            try:
-                w.proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
-        rc = w.proc.returncode
-        sig = _signal_name(rc) if rc is not None else None
-        how = f"was killed by {sig}" if sig else f"exited with code {rc}"
-        hint = ""
-        if sig == "SIGKILL":
-            hint = " A SIGKILL nobody sent on purpose is usually the out-of-memory killer: check dmesg and memory limits."
-        elif sig in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGABRT"):
-            hint = " The worker crashed in native code; its faulthandler traceback (stderr) follows."
-        elif rc == 0:
-            hint = " The model code (or a library) exited the process, e.g. sys.exit() in forward."
-        if stage == "starting":
-            for t in w.threads:
-                t.join(timeout=1.0)
-        tail = "".join(w.stderr_tail).rstrip()
-        text = f"{w.where()} {how} while {stage} at step {self.step}{detail}.{hint}"
-        if others:
-            text += " Also dead: " + ", ".join(f"{o.where()} ({_signal_name(o.proc.returncode) or 'exit ' + str(o.proc.returncode)})" for o in others) + "."
-        if tail:
-            text += "\n--- last stderr of worker %d ---\n%s" % (w.index, tail[-4000:])
-        cls = WorkerStartError if stage == "starting" else WorkerDiedError
-        if cls is WorkerStartError:
-            raise WorkerStartError(text)
-        raise WorkerDiedError(
-            text, worker=w.index, device=w.device, pid=w.pid, step=self.step, exitcode=rc if rc is not None and rc >= 0 else None,
-            signal_name=sig, workers=[w.index] + [o.index for o in others],
-        )
-
-    def _daemon_stopping(self) -> bool:
-        """Whether our daemon is stopping (it says so in its state file before it ends our workers) or gone."""
-        if self.attach is None or self.attach.startswith("tcp://"):
-            return False  # a TCP client may not see the pool's directory: the pidfd alone tells
-        try:
-            state, _ = read_pool(self.attach)
-        except (OSError, ValueError):
-            return True  # no daemon holds the pool's lock any more
-        return bool(state.get("stopping")) or state.get("pid") != self.daemon_pid
-
-    def _dump_and_kill(self, w: _Worker) -> None:
+    def _dump_and_kill(self, w: Worker) -> None:
         try:
             os.kill(w.pid, signal.SIGCONT)
             os.kill(w.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
-            if w.proc is not None:
-                try:
-                    w.proc.wait(timeout=0.3)
-                except subprocess.TimeoutExpired:
-                    pass
-                w.proc.kill()
-            else:  # a daemon's worker: the daemon reaps and respawns it
-                time.sleep(0.3)
-                os.kill(w.pid, signal.SIGKILL)
+            self.launcher.kill_hung(w)
         except ProcessLookupError:
             pass
 
-    def break_pool(self, reason: str) -> None:
-        """Mark the pool broken (every later call raises at once) and kill the workers."""
-        if self._broken is None:
-            self._broken = reason.split("\n", 1)[0]
-        self._terminate_workers(grace=0.0)
-
-    # ------------------------------------------------------------------ close
-    def _terminate_workers(self, grace: float) -> None:
-        if self.attach is not None:
-            self._detach_daemon()
-            return
-        if grace > 0:
-            for w in self.workers:
-                if w.alive and getattr(w, "proc", None) is not None and w.proc.poll() is None and not self._in_round:
-                    try:
-                        self._sock.send_multipart([w.ident, self.codec.encode(P.Shutdown(), self._seq_out + 1)], zmq.NOBLOCK)
-                        self._seq_out += 1
-                    except zmq.ZMQError:
-                        pass
-            deadline = time.monotonic() + grace
-            for w in self.workers:
-                if getattr(w, "proc", None) is None:
-                    continue
-                try:
-                    w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        for w in self.workers:
-            _kill_and_join(w)
-
-    def _detach_daemon(self) -> None:
-        """Give the daemon's workers back: each drops our replica and memory; then the lease is freed."""
-        told = set()
-        for w in self.workers:
-            if w.alive and getattr(w, "pidfd", None) is not None and not self._in_round:
-                try:
-                    self._sock.send_multipart([w.ident, self.codec.encode(P.Shutdown(), self._seq_out + 1)], zmq.NOBLOCK)
-                    self._seq_out += 1
-                    told.add(w.index)
-                except zmq.ZMQError:
-                    pass
-            w.alive = False
-        if any(w.exports for w in self.workers):
-            self._settle_cuda_exports(told)
-        try:
-            assert self.attach is not None
-            request(self.attach, P.Detach(os.getpid()), timeout=2.0)
-        except Exception:
-            pass  # the daemon is gone, or will notice our exit through our pidfd
-
-    def _settle_cuda_exports(self, told: set[int]) -> None:
-        """Our GPU arenas' IPC counters held by daemon workers (see NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc).
-
-        A worker told to shut down frees its imports, then answers ``serve_done``: its slots are back at
-        zero. The slots of a worker that died first are ours to release. A worker that neither answers
-        nor exits keeps its slots, so the memory it may still map is never reused.
-        """
-        waiting = {i for i in told if self.workers[i].exports}
-        deadline = time.monotonic() + self.config.shutdown_timeout_s
-        while waiting and time.monotonic() < deadline:
-            if not self._sock.poll(50):
-                waiting -= {i for i in waiting if self._exited(self.workers[i])}
-                continue
-            for idx, msg in self._drain():
-                if isinstance(msg, P.ServeDone) and idx in waiting:
-                    waiting.discard(idx)
-                    self.workers[idx].exports.clear()  # freed by the worker itself
-        for w in self.workers:
-            if not w.exports:
-                continue
-            if self._exited(w):
-                cuda_ipc.release(w.exports)
-            else:
-                log.warning("%s did not give back its CUDA mappings of this process's memory within %gs; that memory "
-                            "stays allocated until this process exits", w.where(), self.config.shutdown_timeout_s)
-                w.exports.clear()
-        torch.cuda.ipc_collect()  # arenas freed while a worker still mapped them (grown regions) go now
-
-    @staticmethod
-    def _exited(w: _Worker) -> bool:
-        fd = getattr(w, "pidfd", None)
-        if fd is not None:
-            return bool(select.select([fd], [], [], 0)[0])
+    def exited(self, w: Worker) -> bool:
+        """Whether ``w``'s process has exited (without waiting)."""
+        if w.pidfd is not None:
+            return bool(select.select([w.pidfd], [], [], 0)[0])
         return not psutil.pid_exists(w.pid)
 
+    def break_pool(self, reason: str) -> None:
+        """Mark the pool broken (every later call raises at once) and end the workers."""
+        if self._broken is None:
+            self._broken = reason.split("\n", 1)[0]
+        self.launcher.end(self, grace=0.0)
+
+    # ------------------------------------------------------------------ close
     def close(self) -> None:
         """End the workers and free every resource. Idempotent; returns when all workers are joined."""
         if self._closed:
             return
         self._closed = True
-        if os.getpid() == self.owner_pid:
-            log.info("closing the pool of %d worker(s)", len(self.workers))
         if os.getpid() != self.owner_pid:
             # A forked child's copy: the workers, the socket file and the segments are the parent's, and a
             # ZeroMQ context must not be used after fork. Drop it without touching any of them.
             self._finalizer.detach()
             return
-        self._terminate_workers(grace=0.0 if self._in_round else self.config.shutdown_timeout_s)
+        log.info("closing the pool of %d worker(s)", len(self.workers))
+        self.launcher.end(self, grace=0.0 if self._in_round else self.config.shutdown_timeout_s)
         for w in self.workers:
             for t in w.threads:
                 t.join(timeout=2.0)
@@ -832,10 +513,9 @@ class Pool:
     def _close_sockets(self) -> None:
         """Release the fds a round polls: pidfds, the socket, the control segment's fd."""
         for w in self.workers:
-            fd = getattr(w, "pidfd", None)
-            if fd is not None:
+            if w.pidfd is not None:
                 try:
-                    os.close(fd)
+                    os.close(w.pidfd)
                 except OSError:
                     pass
                 w.pidfd = None
@@ -847,40 +527,23 @@ class Pool:
             control.close_fd()
             self._beats = None  # the last view of the control mapping: it is unmapped with the segment
             self.control = None
-        fd = getattr(self, "_daemon_fd", None)
-        if fd is not None:
-            os.close(fd)
-            self._daemon_fd = None
-        if not self._sock.closed:
-            self._sock.close(linger=0)
+        if not self.chan.closed:
+            self.chan.close()
             self._ctx.term()
-            try:
-                os.unlink(self.sock_path)
-            except FileNotFoundError:
-                pass
+            _unlink_socket(self.sock_path)
 
     @property
     def broken(self) -> str | None:
         return self._broken
 
 
-def _kill_and_join(w: _Worker) -> None:
-    """SIGKILL a worker (waking it first if it is stopped) and reap it; no-op if already gone."""
-    proc = getattr(w, "proc", None)
-    if proc is not None:
-        if proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            proc.kill()
-        proc.wait()
-    w.alive = False
-    if w.exports and proc is not None:  # our child is gone: its CUDA IPC counters are ours to release, once
+def _kill(w: Worker) -> None:
+    w.kill()
+    if w.exports and w.proc is not None:  # our child is gone: its CUDA IPC counters are ours to release, once
         cuda_ipc.release(w.exports)
 
 
-def _reap(owner: int, workers: list[_Worker], segments: list[Segment], sock_path: str, sock: Any,
+def _reap(owner: int, workers: list[Worker], segments: list[Segment], sock_path: str, chan: Channel,
           ctx: Any) -> None:  # pragma: no cover
     """GC / interpreter-exit cleanup of a pool nobody closed."""
     if os.getpid() != owner:
@@ -891,9 +554,9 @@ def _reap(owner: int, workers: list[_Worker], segments: list[Segment], sock_path
     for seg in segments:
         seg.unlink()
     for w in workers:
-        _kill_and_join(w)
-    if not sock.closed:  # no ResourceWarning for a pool nobody closed
-        sock.close(linger=0)
+        _kill(w)
+    if not chan.closed:  # no ResourceWarning for a pool nobody closed
+        chan.close()
         ctx.term()
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "Codec",
     "Message",
     "MESSAGES",
+    "Boot",
     "Hello",
     "Init",
     "InitDone",
@@ -136,6 +137,51 @@ def _message(op: str, **types: tuple[type, ...]):  # type: ignore[no-untyped-def
         return cls
 
     return deco
+
+
+@_message("boot", mode=_STR, key=_BYTES, endpoint=_STR, index=_INT, ident=_BYTES, device=_STR, ppid=_INT,
+          threads=_INT, shm_dir=_STR, prefix=_STR, control=(list, _NONE), steps=(list, _NONE),
+          heartbeat_interval_s=(float,), max_message_bytes=_INT)
+class Boot(Message):
+    """Parent → new worker process, on its stdin (a pipe only the parent holds): who it is and whom it serves.
+
+    ``mode`` is ``"embedded"`` (a coordinator's own worker: it serves that coordinator, ``ppid``, and
+    exits with it) or ``"daemon"`` (a ``dpool-workers`` worker: it serves one attached client after
+    another, each announced by a :class:`Serve`). ``control`` is the heartbeat page of an embedded
+    worker, ``steps`` the daemon's steps-served page; ``prefix`` names the coordinator's segments,
+    which an embedded worker removes if its coordinator dies.
+    """
+
+    mode: str
+    key: bytes
+    endpoint: str
+    index: int
+    ident: bytes
+    device: str
+    ppid: int
+    threads: int
+    shm_dir: str
+    prefix: str
+    control: list | None
+    steps: list | None
+    heartbeat_interval_s: float
+    max_message_bytes: int
+
+    def pack(self) -> bytes:
+        """The boot message as it travels: not authenticated (the pipe is private), but typed and versioned."""
+        return msgpack.packb([PROTOCOL_VERSION, self.op, 0, self.body()], use_bin_type=True)
+
+    @staticmethod
+    def unpack(data: bytes) -> "Boot":
+        """Decode and validate what :meth:`pack` wrote. Raises :class:`ProtocolError`."""
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:
+            raise ProtocolError(f"undecodable boot message: {type(exc).__name__}: {exc}") from None
+        _, msg = Codec._validate(obj)
+        if not isinstance(msg, Boot):
+            raise ProtocolError(f"expected a boot message, got {msg.op!r}")
+        return msg
 
 
 @_message("hello", worker=_INT, pid=_INT, protocol=_INT, torch=_STR, python=_STR)
@@ -510,7 +556,7 @@ class Failed(Message):
 MESSAGES: dict[str, type[Message]] = {
     cls.op: cls  # type: ignore[misc]
     for cls in (
-        Hello, Init, InitDone, Forward, ForwardDone, Fetch, FetchDone, Backward, BackwardDone, FetchSparse,
+        Boot, Hello, Init, InitDone, Forward, ForwardDone, Fetch, FetchDone, Backward, BackwardDone, FetchSparse,
         FetchSparseDone, Criterion, CriterionDone, Release, ReleaseDone, Call, CallDone, AllReduce, AllReduceDone,
         Shutdown, Failed, Output, Serve, ServeDone, Attach, AttachDone, Detach, DetachDone, Status, StatusDone, Stop,
         StopDone,

@@ -28,7 +28,7 @@ from torch import nn
 from tqdm import tqdm
 
 import dpool
-from dpool.pool import WORKER_MALLOC_KEEP
+from dpool.launch import WORKER_MALLOC_KEEP
 
 
 class CNN(nn.Module):

@@ -35,7 +35,6 @@ import json
 import logging
 import mmap
 import os
-import threading
 import secrets
 import signal
 import subprocess
@@ -61,11 +60,9 @@ def _log_to_stderr() -> None:
     log.propagate = False
 
 
-def _pump(stream: Any, label: str) -> None:
-    """Copy a worker's output to the daemon's log, line by line, with timestamps."""
-    for raw in iter(stream.readline, b""):
-        log.info("[%s] %s", label, raw.decode(errors="replace").rstrip("\n"))
-    stream.close()
+def _log_output(label: str, line: str, to_stderr: bool) -> None:
+    """A worker's output line, to the daemon's log with a timestamp."""
+    log.info("[%s] %s", label, line.rstrip("\n"))
 
 
 # ---------------------------------------------------------------------------------------- daemon
@@ -156,32 +153,19 @@ class Daemon:
 
     # ------------------------------------------------------------------ workers
     def spawn(self, w: _W) -> None:
-        import msgpack
-
-        from dpool.launch import worker_command, worker_env
+        from dpool import protocol as P
+        from dpool.launch import start_worker
 
         w.generation += 1
         w.steps += self.steps[w.index]  # a respawned worker counts from zero in its slot
         self.steps[w.index] = 0
-        env = worker_env(self.threads)
-        env.setdefault("PYTHONUNBUFFERED", "1")  # worker output reaches the log as it is written
-        device = w.device
-        if w.visible is not None:  # a GPU worker sees only its own GPU, as cuda:0 (as embedded ones do)
-            env["CUDA_VISIBLE_DEVICES"] = w.visible
-            device = "cuda:0"
-        w.proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, env=env, pass_fds=[self.steps_fd])
-        for stream in (w.proc.stdout, w.proc.stderr):
-            threading.Thread(target=_pump, args=(stream, f"worker {w.index}"), daemon=True).start()
+        boot = P.Boot("daemon", self.key, self.endpoint, w.index, w.ident, w.device, os.getpid(), self.threads,
+                      self.config.shm_dir, "", None, [self.steps_fd, 8 * max(1, len(self.devices))],
+                      self.config.heartbeat_interval_s, self.config.max_message_bytes)
+        w.proc, _ = start_worker(boot, self.threads, [self.steps_fd], f"worker {w.index}", sink=_log_output)
         w.pidfd = os.pidfd_open(w.proc.pid)
         self.poller.register(w.pidfd, 1)
         w.state, w.started = "starting", time.time()
-        boot = {"mode": "daemon", "key": self.key, "endpoint": self.endpoint, "ident": w.ident, "index": w.index,
-                "device": device, "ppid": os.getpid(), "threads": self.threads, "shm_dir": self.config.shm_dir,
-                "config": self.config.for_worker(), "steps": [self.steps_fd, 8 * max(1, len(self.devices))]}
-        assert w.proc.stdin is not None
-        w.proc.stdin.write(msgpack.packb(boot, use_bin_type=True))
-        w.proc.stdin.close()
 
     def send(self, ident: bytes, msg: Any) -> None:
         import zmq

@@ -1,7 +1,7 @@
 """A dpool worker process: ``dpool_workers.worker`` (the ``workers/`` folder), started by :class:`dpool.pool.Pool`.
 
-Start-up reads a msgpack map from stdin (auth key, endpoint, index, device,
-parent pid, limits), then:
+Start-up reads a :class:`dpool.protocol.Boot` message from stdin (auth key,
+endpoint, index, device, parent pid, limits), then:
 
 * ignores SIGINT (Ctrl-C belongs to the coordinator) and registers
   faulthandler on SIGUSR1 (the coordinator dumps our stacks before killing a
@@ -33,7 +33,6 @@ import time
 import traceback
 from typing import Any
 
-import msgpack
 
 
 def _watchdog(ppid: int, on_death: Any) -> None:
@@ -121,21 +120,22 @@ class ClientGone(Exception):
 
 
 def main() -> None:
-    boot = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
+    from dpool import protocol as P  # torch-free
+
+    boot = P.Boot.unpack(sys.stdin.buffer.read())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     import torch
 
-    threads = int(boot["threads"])
-    torch.set_num_threads(threads)
+    torch.set_num_threads(boot.threads)
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass
 
-    if str(boot["device"]).startswith("cuda"):
+    if boot.device.startswith("cuda"):
         import warnings
 
         # Our backward runs on autograd's device thread, whose first cuBLAS call finds no current
@@ -143,32 +143,31 @@ def main() -> None:
         # user can act on (it would reach the coordinator's stderr once per worker).
         warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
 
-    from dpool import protocol as P  # noqa: F401  (imported before freezing)
     from dpool.transport import attach
 
     from . import replica as _replica  # noqa: F401
 
-    index = int(boot["index"])
+    index = boot.index
     known: set[str] = set()
 
     def on_parent_death() -> None:
-        _unlink(boot["shm_dir"], known)
-        if boot.get("prefix"):  # names the coordinator made that we never saw (it died while growing one)
-            _unlink_prefix(boot["shm_dir"], boot["prefix"])
-            endpoint = boot["endpoint"]
+        _unlink(boot.shm_dir, known)
+        if boot.prefix:  # names the coordinator made that we never saw (it died while growing one)
+            _unlink_prefix(boot.shm_dir, boot.prefix)
+            endpoint = boot.endpoint
             if endpoint.startswith("ipc://"):
                 _unlink(os.path.dirname(endpoint[6:]), {os.path.basename(endpoint[6:])})
-        if str(boot["device"]).startswith("cuda"):
+        if boot.device.startswith("cuda"):
             from dpool.sweep import sweep_cuda_counters
 
-            sweep_cuda_counters(int(boot["ppid"]))
+            sweep_cuda_counters(boot.ppid)
         os._exit(0)
 
-    if os.getppid() != boot["ppid"]:
+    if os.getppid() != boot.ppid:
         on_parent_death()
-    threading.Thread(target=_watchdog, args=(boot["ppid"], on_parent_death), daemon=True, name="dpool-watchdog").start()
+    threading.Thread(target=_watchdog, args=(boot.ppid, on_parent_death), daemon=True, name="dpool-watchdog").start()
     beat = _Beat()
-    threading.Thread(target=_heartbeat, args=(beat, float(boot["config"]["heartbeat_interval_s"])), daemon=True,
+    threading.Thread(target=_heartbeat, args=(beat, boot.heartbeat_interval_s), daemon=True,
                      name="dpool-heartbeat").start()
     # torch's import left ~10^5 objects; freezing them keeps every later GC pass short.
     gc.collect()
@@ -177,68 +176,53 @@ def main() -> None:
     import zmq
 
     ctx = zmq.Context()
-    if boot.get("mode") != "daemon":
-        control = attach(boot["shm_dir"], boot["control"])
+    if boot.mode != "daemon":
+        control = attach(boot.shm_dir, boot.control)
         beat.target(control.u8[: 8 * (index + 1)].view(torch.int64)[index:])
-        _serve(ctx, boot, boot, known, None)
+        _serve(ctx, boot, known, None)
         ctx.term()
-        _unlink(boot["shm_dir"], known)
+        _unlink(boot.shm_dir, known)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
     _daemon_loop(ctx, boot, beat, known)
 
 
-def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
+def _daemon_loop(ctx: Any, boot: Any, beat: _Beat, known: set[str]) -> None:
     """A warm worker of ``dpool-workers``: serve one attached client after another."""
+    import dataclasses
+
     import torch
-    import zmq
 
     from dpool import protocol as P
+    from dpool.channel import Channel
     from dpool.transport import attach
 
-    index = int(boot["index"])
+    index = boot.index
     steps_slot = None
-    if boot.get("steps"):  # the daemon's live steps-served page (an inherited memfd)
-        steps_map = attach(boot["shm_dir"], boot["steps"])
+    if boot.steps:  # the daemon's live steps-served page (an inherited memfd)
+        steps_map = attach(boot.shm_dir, boot.steps)
         steps_slot = memoryview(steps_map.mmap).cast("q")[index:index + 1]
-    codec = P.Codec(boot["key"], int(boot["config"]["max_message_bytes"]))
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, boot["ident"])
-    sock.connect(boot["endpoint"])
-    seq = [0, -1]
-
-    def send(msg: Any) -> None:
-        seq[0] += 1
-        sock.send(codec.encode(msg, seq[0]))
-
-    send(P.Hello(index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
+    daemon = Channel(ctx, False, boot.key, boot.max_message_bytes, ident=boot.ident, on_reject=_report_reject)
+    daemon.connect(boot.endpoint)
+    daemon.send(P.Hello(index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
     while True:
-        try:
-            s, msg = codec.decode(sock.recv_multipart())
-            if s <= seq[1]:
-                raise P.ProtocolError("replayed message")
-            seq[1] = s
-        except P.ProtocolError as exc:
-            print(f"rejected a control message: {exc}", file=sys.stderr, flush=True)
-            continue
+        _, msg = daemon.recv()
         if isinstance(msg, P.Shutdown):
             break
         if not isinstance(msg, P.Serve):
             continue
-        control = attach(boot["shm_dir"], msg.control)
+        control = attach(boot.shm_dir, msg.control)
         beat.target(control.u8[: 8 * (index + 1)].view(torch.int64)[index:])
-        session = {"key": msg.key, "endpoint": msg.endpoint, "ident": msg.ident, "index": index,
-                   "device": boot["device"], "shm_dir": boot["shm_dir"],
-                   "config": {"max_message_bytes": msg.max_message_bytes}}
-        steps, reason = _serve(ctx, boot, session, known, msg.client_pid, steps_slot)
+        session = dataclasses.replace(boot, key=msg.key, endpoint=msg.endpoint, ident=msg.ident,
+                                      max_message_bytes=msg.max_message_bytes)
+        steps, reason = _serve(ctx, session, known, msg.client_pid, steps_slot)
         beat.target(None)
         del control
-        _unlink(boot["shm_dir"], known)
+        _unlink(boot.shm_dir, known)
         known.clear()
         gc.collect()  # the replica's tensors and mappings go now, not at some later GC pass
-        if str(boot["device"]).startswith("cuda"):
+        if boot.device.startswith("cuda"):
             from dpool.transport.cuda_ipc import drop_imports
 
             drop_imports()  # a client that died: its arenas' mappings go too
@@ -247,10 +231,16 @@ def _daemon_loop(ctx: Any, boot: dict, beat: _Beat, known: set[str]) -> None:
 
                 sweep_cuda_counters(int(msg.client_pid))
         _trim_heap()  # workers keep their heap while serving (see worker_env); give it back between clients
-        send(P.ServeDone(steps, reason))
-    sock.close(linger=0)
+        daemon.send(P.ServeDone(steps, reason))
+    daemon.close()
     ctx.term()
     os._exit(0)
+
+
+def _report_reject(peer: bytes, exc: Exception) -> None:
+    # Not from our coordinator or daemon (or corrupted): never decoded further, never answered.
+    # Logged so that the operator can see it.
+    print(f"rejected a control message: {exc}", file=sys.stderr, flush=True)
 
 
 def _unlink_prefix(shm_dir: str, prefix: str) -> None:
@@ -271,9 +261,10 @@ def _unlink(shm_dir: str, names: set[str]) -> None:
                 pass
 
 
-def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int | None,
+def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
            steps_slot: Any = None) -> tuple[int, str]:
-    """Serve one coordinator until ``shutdown`` (or, attached to a daemon, until its process dies).
+    """Serve one coordinator (``session``: a :class:`dpool.protocol.Boot`) until ``shutdown``
+    (or, attached to a daemon, until its process dies).
 
     Returns:
         (requests served, why it ended)
@@ -282,60 +273,45 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
     import zmq
 
     from dpool import protocol as P
+    from dpool.channel import Channel
 
     from .replica import Replica
 
-    replica = Replica(int(session["index"]), session["device"], session["shm_dir"])
+    replica = Replica(session.index, session.device, session.shm_dir)
     replica.known = known
-    codec = P.Codec(session["key"], int(session["config"]["max_message_bytes"]))
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, session["ident"])
-    sock.setsockopt(zmq.MAXMSGSIZE, codec.max_bytes + 1024)
-    sock.connect(session["endpoint"])
+    chan = Channel(ctx, False, session.key, session.max_message_bytes, ident=session.ident,
+                   on_reject=_report_reject)
+    chan.connect(session.endpoint)
     poller = None
     client_fd = None
     if client_pid is not None:
         try:
             client_fd = os.pidfd_open(client_pid)
         except ProcessLookupError:
-            sock.close(linger=0)
+            chan.close()
             return 0, "client gone before attach"
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        poller.register(chan.sock, zmq.POLLIN)
         poller.register(client_fd, zmq.POLLIN)
-    seq_out = 0
-    seq_in = -1
     served = 0
 
     def send(msg: P.Message, flags: int = 0) -> None:
-        nonlocal seq_out
-        frame = codec.encode(msg, seq_out + 1)
-        sock.send(frame, flags)
-        seq_out += 1
+        chan.send(msg, None, flags)
 
     def recv() -> P.Message:
         """The next authenticated message from the coordinator."""
-        nonlocal seq_in
+        if poller is None:
+            return chan.recv()[1]
         while True:
-            if poller is not None:
-                events = dict(poller.poll())
-                if events.get(client_fd):
-                    raise ClientGone()
-            frames = sock.recv_multipart(copy=True)
-            try:
-                seq, msg = codec.decode(frames)
-                if seq <= seq_in:
-                    raise P.ProtocolError(f"replayed or reordered request (seq {seq} ≤ {seq_in})")
-                seq_in = seq
-                return msg
-            except P.ProtocolError as exc:
-                # Not from our coordinator (or corrupted): never decoded further, never answered
-                # with data. Logged so that the operator can see it.
-                print(f"rejected a control message: {exc}", file=sys.stderr, flush=True)
+            got = chan.recv_nowait()
+            if got is not None:
+                return got[1]
+            events = dict(poller.poll())
+            if events.get(client_fd):
+                raise ClientGone()
 
     replica.collective = _Collective(send, recv)
-    on_gpu = str(session["device"]).startswith("cuda")
+    on_gpu = session.device.startswith("cuda")
     from dpool.gpu import sticky_error
     from dpool.transport.cuda_ipc import drop_imports
 
@@ -386,7 +362,7 @@ def _serve(ctx: Any, boot: dict, session: dict, known: set[str], client_pid: int
                 except Exception:
                     pass
             sys.stdout, sys.stderr = saved
-        sock.close(linger=linger)
+        chan.sock.close(linger=linger)
         if client_fd is not None:
             os.close(client_fd)
     return served, reason

@@ -103,7 +103,7 @@ class Arena:
         name: unique name (workers cache their import by it).
         size: bytes.
         device: the GPU, as the coordinator names it.
-        owner: the worker (a ``dpool.pool._Worker``) that maps it, or ``None`` for the master arena,
+        owner: the worker (a ``dpool.launch.Worker``) that maps it, or ``None`` for the master arena,
             which :meth:`ref` exports to each consumer named.
     """
 

@@ -1,0 +1,162 @@
+"""One authenticated ZeroMQ control channel, used by every dpool process.
+
+The coordinator's pool (a ROUTER to its workers), each worker (a DEALER to its
+coordinator, and one to its daemon), the ``dpool-workers`` daemon (a ROUTER)
+and the daemon's clients (a DEALER per request) all talk through
+:class:`Channel`. It owns the parts that must be the same everywhere:
+
+* socket options: ``LINGER`` 0 (closing never waits on undelivered
+  messages) and ``MAXMSGSIZE`` (libzmq drops an oversized frame before we
+  read it); on the coordinator's ROUTER also ``ROUTER_MANDATORY`` and
+  ``SNDTIMEO``, so a send to a vanished or stalled peer is an error instead
+  of a silent drop;
+* the codec (:class:`dpool.protocol.Codec`: size, MAC, msgpack with limits,
+  types, in that order);
+* sequence numbers: every message sent carries the next one, and a message
+  received must carry a higher one than the last from the same peer
+  (replay and reordering protection, step 5 of the protocol's receive order).
+
+A frame that fails any check is never decoded further and never answered;
+:attr:`Channel.rejected` counts them and ``on_reject`` reports them the way
+the process reports things (a warning, a log line, stderr).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import zmq
+
+from . import protocol as P
+from .errors import ProtocolError
+
+__all__ = ["Channel"]
+
+# libzmq's per-frame cap sits above the codec's payload limit by the MAC and the envelope.
+_FRAME_SLACK = 1024
+
+
+class Channel:
+    """An authenticated ZeroMQ socket: typed messages in, typed messages out.
+
+    Args:
+        ctx: the process's ZeroMQ context.
+        router: a ROUTER (one side, many peers, addressed by routing id) or a DEALER.
+        key: the shared secret (see :class:`dpool.protocol.Codec`).
+        max_bytes: largest message payload accepted.
+        ident: a DEALER's routing id (how the ROUTER on the other side addresses it).
+        send_timeout_ms: on a ROUTER, report unroutable peers and give up a blocked send
+            after this long (``ROUTER_MANDATORY`` + ``SNDTIMEO``); ``None`` drops silently.
+        on_reject: called with the peer's routing id (``b""`` on a DEALER) and the
+            :class:`~dpool.errors.ProtocolError` of every frame that failed a check.
+    """
+
+    def __init__(self, ctx: zmq.Context, router: bool, key: bytes, max_bytes: int, ident: bytes | None = None,
+                 send_timeout_ms: int | None = None,
+                 on_reject: Callable[[bytes, ProtocolError], None] | None = None) -> None:
+        self.codec = P.Codec(key, max_bytes)
+        self.router = router
+        self.sock = ctx.socket(zmq.ROUTER if router else zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + _FRAME_SLACK)
+        if ident is not None:
+            self.sock.setsockopt(zmq.ROUTING_ID, ident)
+        if router and send_timeout_ms is not None:
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+        self._seq_out = 0
+        self._seen: dict[bytes, int] = {}  # peer → highest sequence number accepted from it
+        self.rejected = 0
+        self._on_reject = on_reject
+
+    # ------------------------------------------------------------------ set-up
+    def rekey(self, key: bytes) -> None:
+        """Authenticate with ``key`` from now on (a daemon session's derived key)."""
+        self.codec = P.Codec(key, self.codec.max_bytes)
+
+    def bind(self, endpoint: str) -> str:
+        """Bind to ``endpoint``; an ``ipc://`` socket file is made private (0600). Returns the bound endpoint."""
+        self.sock.bind(endpoint)
+        if endpoint.startswith("ipc://"):
+            os.chmod(endpoint[len("ipc://"):], 0o600)
+        return self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def connect(self, endpoint: str) -> None:
+        self.sock.connect(endpoint)
+
+    def forget(self, peer: bytes) -> None:
+        """Drop a peer's sequence record (a peer that will not talk again)."""
+        self._seen.pop(peer, None)
+
+    # ------------------------------------------------------------------ sending
+    def send(self, msg: P.Message, peer: bytes | None = None, flags: int = 0) -> None:
+        """Send ``msg`` (to ``peer`` on a ROUTER). Raises :class:`zmq.ZMQError` when it cannot be sent."""
+        frame = self.codec.encode(msg, self._seq_out + 1)
+        if peer is not None:
+            self.sock.send(peer, zmq.SNDMORE | flags)
+        self.sock.send(frame, flags)
+        self._seq_out += 1
+
+    def try_send(self, msg: P.Message, peer: bytes | None = None) -> bool:
+        """Send without blocking; ``False`` when the peer is gone or its queue is full."""
+        try:
+            self.send(msg, peer, zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    # ------------------------------------------------------------------ receiving
+    def poll(self, timeout_ms: int | None = None) -> bool:
+        """Whether a frame arrived within ``timeout_ms`` (``None``: wait for one)."""
+        return bool(self.sock.poll(timeout_ms))
+
+    def readable(self) -> bool:
+        return bool(self.sock.get(zmq.EVENTS) & zmq.POLLIN)
+
+    def recv(self) -> tuple[bytes, P.Message]:
+        """Block until an authenticated message arrives; returns ``(peer, message)``."""
+        while True:
+            got = self._accept(self.sock.recv_multipart(copy=True))
+            if got is not None:
+                return got
+
+    def recv_nowait(self) -> tuple[bytes, P.Message] | None:
+        """The next authenticated message if one is queued, else ``None`` (rejected frames are skipped)."""
+        while self.readable():
+            got = self._accept(self.sock.recv_multipart(zmq.NOBLOCK, copy=True))
+            if got is not None:
+                return got
+        return None
+
+    def drain(self) -> list[tuple[bytes, P.Message]]:
+        """Every authenticated message queued now, in arrival order."""
+        out = []
+        while True:
+            got = self.recv_nowait()
+            if got is None:
+                return out
+            out.append(got)
+
+    def _accept(self, frames: list[bytes]) -> tuple[bytes, P.Message] | None:
+        peer = frames[0] if self.router else b""
+        body = frames[1:] if self.router else frames
+        try:
+            seq, msg = self.codec.decode(body)
+            if seq <= self._seen.get(peer, -1):
+                raise ProtocolError(f"replayed or reordered message (seq {seq} ≤ {self._seen[peer]})")
+        except ProtocolError as exc:
+            self.rejected += 1
+            if self._on_reject is not None:
+                self._on_reject(peer, exc)
+            return None
+        self._seen[peer] = seq
+        return peer, msg
+
+    # ------------------------------------------------------------------ end
+    @property
+    def closed(self) -> bool:
+        return bool(self.sock.closed)
+
+    def close(self) -> None:
+        if not self.sock.closed:
+            self.sock.close(linger=0)
