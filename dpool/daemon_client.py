@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from . import protocol as P
+from .channel import Channel
 from .errors import PoolNotFoundError
 
 __all__ = ["runtime_dir", "pool_dir", "lock_held", "read_pool", "read_key_file", "locate", "request",
@@ -116,28 +117,24 @@ def locate(pool: str) -> tuple[str, bytes, str]:
 def request(pool: str, msg: Any, timeout: float = 5.0) -> Any:
     """Send one authenticated request to the daemon of ``pool`` (see :func:`locate`) and return its reply."""
     endpoint, key, label = locate(pool)
-    codec = P.Codec(key)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-    sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_hex(6).encode())
+    chan = Channel(ctx, False, key, 1 << 20, ident=b"c" + secrets.token_hex(6).encode())
     try:
-        sock.connect(endpoint)
-        sock.send(codec.encode(msg, 1))
+        chan.connect(endpoint)
+        chan.send(msg)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+            if left <= 0 or not chan.poll(max(1, int(left * 1000))):
                 hint = " (a daemon answers nobody whose key is wrong: check DPOOL_KEY_FILE)" if endpoint.startswith("tcp://") else ""
                 raise TimeoutError(f"the dpool-workers daemon of {label} did not answer within {timeout:g}s{hint}")
-            try:
-                reply = codec.decode(sock.recv_multipart())[1]
-            except P.ProtocolError:
-                continue  # not from the daemon (it would hold the key): ignored, never decoded further
+            got = chan.recv_nowait()  # not from the daemon (it would hold the key): ignored, never decoded further
+            if got is None:
+                continue
+            reply = got[1]
             if isinstance(reply, P.Failed):
                 raise P.ProtocolError(f"the dpool-workers daemon of {label} refused {msg.op!r}: {reply.message}")
             return reply
     finally:
-        sock.close(linger=0)
+        chan.close()
         ctx.term()

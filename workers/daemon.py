@@ -90,7 +90,7 @@ class Daemon:
     def __init__(self, name: str, devices: list[str], threads: int, listen: str | None = None) -> None:
         import zmq
 
-        from dpool import protocol as P
+        from dpool.channel import Channel
         from dpool.config import Config
         from dpool.sweep import sweep
 
@@ -113,15 +113,13 @@ class Daemon:
         fd = os.open(os.path.join(self.dir, "key"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.write(fd, self.key)
         os.close(fd)
-        self.codec = P.Codec(self.key)
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self.chan = Channel(self.ctx, True, self.key, 1 << 20,
+                            on_reject=lambda peer, exc: log.warning("rejected a message from %r: %s", peer, exc))
+        self.sock = self.chan.sock
         self.sock_path = os.path.join(self.dir, "daemon.sock")
         self.endpoint = "ipc://" + self.sock_path
-        self.sock.bind(self.endpoint)
-        os.chmod(self.sock_path, 0o600)
+        self.chan.bind(self.endpoint)
         self.tcp_endpoint: str | None = None
         if listen is not None:  # only when asked (--listen); authenticated like the ipc socket
             try:
@@ -131,13 +129,11 @@ class Daemon:
             except zmq.ZMQError as exc:
                 log.error("cannot listen on %s: %s", listen, exc)
                 raise SystemExit(EXIT_ERROR) from None
-            self.tcp_endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.tcp_endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()  # the port, if 0 was asked
             log.info("listening on %s (authenticated with the pool key)", self.tcp_endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.workers = [_W(i, d) for i, d in enumerate(devices)]
-        self.seq = 0
-        self.seen: dict[bytes, int] = {}
         self.client: int | None = None
         self.client_fd = -1
         self.attached_at = 0.0
@@ -168,13 +164,7 @@ class Daemon:
         w.state, w.started = "starting", time.time()
 
     def send(self, ident: bytes, msg: Any) -> None:
-        import zmq
-
-        self.seq += 1
-        try:
-            self.sock.send_multipart([ident, self.codec.encode(msg, self.seq)], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        self.chan.try_send(msg, ident)  # a client that left no longer needs the answer
 
     def write_state(self, stopping: bool = False) -> None:
         from importlib.metadata import version
@@ -233,21 +223,9 @@ class Daemon:
         os._exit(rc)
 
     def drain(self) -> None:
-        import zmq
-
         from dpool import protocol as P
 
-        while self.sock.get(zmq.EVENTS) & zmq.POLLIN:
-            frames = self.sock.recv_multipart()
-            ident, body = frames[0], frames[1:]
-            try:
-                seq, msg = self.codec.decode(body)  # authenticated before anything is decoded
-                if seq <= self.seen.get(ident, -1):
-                    raise P.ProtocolError("replayed message")
-                self.seen[ident] = seq
-            except P.ProtocolError as exc:
-                log.warning("rejected a message from %r: %s", ident, exc)
-                continue
+        for ident, msg in self.chan.drain():  # authenticated before anything is decoded
             w = next((w for w in self.workers if w.ident == ident), None)
             if w is not None:
                 if isinstance(msg, P.Hello):
@@ -368,7 +346,7 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
                 w.proc.wait()
-        self.sock.close(linger=0)
+        self.chan.close()
         self.ctx.term()
         # A clean stop leaves nothing: the pool's directory goes (a crash keeps it, log included).
         for f in POOL_FILES:
