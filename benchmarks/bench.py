@@ -22,10 +22,6 @@ Setups, on N = --workers:
            cores / N threads and no communication at all: what this machine gives
            N concurrent shards (memory bandwidth and shared caches included).
            Not one of the issue's five setups; a diagnostic for reading `ideal`
-  floor    the design's floor (benchmarks/floor.py): dpool's architecture and
-           transport in the smallest program, with none of dpool's checks or
-           generality. What this design can reach here, whatever dpool's own
-           code does; also a diagnostic, not one of the five setups
 
 Results go to --out as JSON and a PNG chart; the Markdown table is printed.
 """
@@ -79,11 +75,6 @@ class Local:
 
             net = dpool.wrap(net, ["cpu"] * workers)
             self.threads = 1  # dpool holds the coordinator to one thread while the pool is open
-        if setup == "floor":
-            from benchmarks.floor import FloorModel
-
-            net = FloorModel(w.name, net, workers)
-            self.threads = 1
         self.model = net
         self.opt = torch.optim.SGD(net.parameters(), lr=w.lr, momentum=0.9)
         self.samples = w.global_batch  # ideal: one shard's time stands for the whole batch
@@ -203,10 +194,6 @@ def bench(workloads: list[str], setups: list[str], workers: int, steps: int, war
                 entry["framework_ms_per_step"] = (
                     entry["setups"]["dpool"]["ms_per_step"] - entry["setups"]["ideal"]["ms_per_step"]
                 )
-                if "floor" in med:
-                    entry["floor_framework_ms_per_step"] = (
-                        entry["setups"]["floor"]["ms_per_step"] - entry["setups"]["ideal"]["ms_per_step"]
-                    )
         results["workloads"][wname] = entry
     return results
 
@@ -226,16 +213,14 @@ def table(results: dict) -> str:
             # dpool − ideal below zero is noise or a workload where dpool beats one shard alone (its
             # workers keep their heap): no framework cost to read, so it is not printed as negative
             ratios += f"; framework {fw:.2f} ms/step" if fw >= 0 else "; framework < 0 (dpool faster than ideal)"
-        if "floor_framework_ms_per_step" in e:
-            ratios += f" (floor {e['floor_framework_ms_per_step']:.2f})"
         lines.append(f"| {wname} | {e['global_batch']} | " + " | ".join(cells) + f" | {ratios} |")
     m = results["machine"]
     lines.append("")
     lines.append(f"Machine: {m['cores_physical']} physical cores, {m['platform']}, Python {m['python']}, torch "
                  f"{m['torch']}; {results['workers']} workers/ranks; {results['repeats']} interleaved repeats of "
                  f"{results['steps']} steps; median (min–max). `dp` on a CPU-only machine runs the whole batch in "
-                 "one module: DataParallel has no CPU parallelism. `ceiling` and `floor` are "
-                 "diagnostics (see benchmarks/bench.py); framework = dpool − ideal ms/step.")
+                 "one module: DataParallel has no CPU parallelism. `ceiling` is a "
+                 "diagnostic (see benchmarks/bench.py); framework = dpool − ideal ms/step.")
     return "\n".join(lines)
 
 
@@ -292,7 +277,7 @@ def balance_demo(steps: int, repeats: int) -> str:
         opt = torch.optim.SGD(model.parameters(), lr=w.lr)
         _steps(model, opt, w, data, 5)
         times = [_steps(model, opt, w, data, steps) for _ in range(repeats)]
-        shares = model._runtime.shard_weights()
+        shares = model._runtime.balancer.weights()
         model.close()
         sps = w.global_batch * steps / statistics.median(times)
         share = "even" if shares is None else "/".join(f"{x / sum(shares):.2f}" for x in shares)
@@ -337,7 +322,7 @@ def attach_demo(repeats: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mlp,cnn,lstm,probe")
-    ap.add_argument("--setups", default="single,dp,ddp,dpool,ideal,ceiling,floor")
+    ap.add_argument("--setups", default="single,dp,ddp,dpool,ideal,ceiling")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="steps per repeat (default: per workload)")
     ap.add_argument("--warmup", type=int, default=3)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -28,7 +29,7 @@ from .errors import GatherError, UnsupportedError
 if TYPE_CHECKING:
     from .coordinator import Runtime
 
-__all__ = ["Bridge", "CallState", "DoubleBridge", "DoubleState"]
+__all__ = ["Bridge", "CallState", "DoubleBridge", "DoubleState", "Graphs"]
 
 _SCALAR_WARNING = (
     "Was asked to gather along dimension 0, but all input tensors were scalars; "
@@ -45,6 +46,74 @@ def _user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     return level
+
+
+class Graphs:
+    """Which calls' graphs the workers keep, and when they may free them.
+
+    A call's graph lives on the workers while the coordinator-side object that can still
+    backpropagate through it lives: the :class:`Bridge` node's ``ctx`` (or a
+    :class:`~dpool.loss.ShardedOutput`). Once that is freed, or its saved tensor was
+    released by a backward without ``retain_graph``, the call is *released*: its id
+    piggybacks on the next request, and the workers free the graph after replying.
+    A worker restart or a re-shipped model loses every graph at once (:meth:`lose_all`).
+    """
+
+    def __init__(self) -> None:
+        self.last_call = 0
+        self._epoch = 0  # graphs of calls up to this id are lost
+        self._live: dict[int, Any] = {}  # call → weakref to what keeps its graph alive
+        self._released: set[int] = set()
+
+    def new_call(self) -> int:
+        self.last_call += 1
+        return self.last_call
+
+    def track(self, call: int, owner: Any) -> None:
+        """Keep ``call``'s graph while ``owner`` lives (and, for a ctx, keeps its saved tensors)."""
+        self._live[call] = weakref.ref(owner)
+
+    def release(self, calls: int | Sequence[int]) -> None:
+        """Let the workers free ``calls``' graphs (told with the next request)."""
+        if isinstance(calls, int):
+            self._released.add(calls)
+        else:
+            self._released.update(calls)
+
+    def lost(self, call: int) -> bool:
+        """Whether ``call``'s graph was lost with a restarted worker or a re-shipped model."""
+        return call <= self._epoch
+
+    def kept(self, call: int) -> bool:
+        """Whether ``call``'s graph (and its outputs, for ``gather=False``) are still on the workers."""
+        return not self.lost(call) and call in self._live
+
+    def collect(self, on_release: Any) -> list[int]:
+        """Calls whose graphs may be freed now: released ones, and those whose owner is gone."""
+        for call, ref in list(self._live.items()):
+            owner = ref()
+            freed = owner is None
+            if not freed:
+                try:
+                    owner.saved_tensors
+                except RuntimeError:  # released by a backward without retain_graph
+                    freed = True
+            if freed:
+                del self._live[call]
+                self._released.add(call)
+                on_release(call)
+        out = sorted(self._released)
+        self._released.clear()
+        return out
+
+    def lose_all(self) -> None:
+        """Every graph kept so far is gone (a worker restarted, the model was shipped again)."""
+        self._epoch = self.last_call
+        self._released.update(self._live)
+        self._live.clear()
+
+    def clear(self) -> None:
+        self._live.clear()
 
 
 class CallState:
@@ -131,7 +200,7 @@ class CallState:
         """Gradients of the input tensors that require grad: shards concatenated, or summed if given whole."""
         out: list[torch.Tensor | None] = []
         dim = self.runtime.dim
-        io = self.runtime._io
+        io = self.runtime.io
         devices = iter(self.input_devices)
         for j, needs in enumerate(self.rg):
             if not needs:
@@ -143,7 +212,7 @@ class CallState:
                 if m is None:
                     parts.append(None)
                 else:
-                    parts.append(read(io[s]["gin"].seg.views, m))
+                    parts.append(read(io.segment(s, "gin").views, m))
             if all(p is None for p in parts):
                 out.append(None)
                 continue
@@ -236,14 +305,14 @@ class DoubleState:
 
     def results(self, metas: list[list[Any]], param_grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Gradients for :attr:`inputs`: incoming output gradients, then inputs, then parameters."""
-        st, dim, io = self.state, self.runtime.dim, self.runtime._io
+        st, dim, io = self.state, self.runtime.dim, self.runtime.io
         d_grads: list[torch.Tensor | None] = []
         for j in self.grad_groups:
             parts: list[torch.Tensor | None] = []
             for s in range(self.k):
                 o = st.groups[j][s]
                 m = metas[s][self.roots[s].index(o)] if o in self.roots[s] else None
-                parts.append(read(io[s]["gin"].seg.views, m) if m is not None else None)
+                parts.append(read(io.segment(s, "gin").views, m) if m is not None else None)
             if all(p is None for p in parts):
                 d_grads.append(None)
                 continue

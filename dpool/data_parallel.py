@@ -238,7 +238,7 @@ class DataParallel(nn.DataParallel):
         rt = self._runtime
         if rt is None:
             raise PoolBrokenError("this dpool model is closed")
-        return rt._stats.snapshot([w.pid for w in rt.pool.workers], self.device_ids)
+        return rt.stats.snapshot([w.pid for w in rt.pool.workers], self.device_ids)
 
     @property
     def pids(self) -> list[int]:

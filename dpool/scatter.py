@@ -20,7 +20,7 @@ import torch
 from .tensors import check_tensor
 from .errors import DpoolValueError
 
-__all__ = ["even_sizes", "weighted_sizes", "plan"]
+__all__ = ["even_sizes", "weighted_sizes", "plan", "Balancer"]
 
 
 def even_sizes(n: int, k: int) -> list[int]:
@@ -92,3 +92,40 @@ def shard_views(tensors: list[torch.Tensor], splits: list[list[int] | None], k: 
                 out[s].append(t.narrow(dim, start, n))
                 start += n
     return out
+
+
+class Balancer:
+    """Each worker's share of the batch: fixed ``weights``, measured (``balance="auto"``), or even.
+
+    ``"auto"`` keeps an exponential moving average of each worker's seconds per row in forward and
+    backward, and gives it a share inversely proportional to their sum (a slower device gets fewer rows).
+    """
+
+    def __init__(self, n: int, weights: Sequence[float] | None = None, balance: str | None = None) -> None:
+        if weights is not None:
+            if len(weights) != n or any(not w > 0 for w in weights):
+                raise DpoolValueError(f"shard_weights needs {n} positive numbers (one per worker), got {weights!r}")
+            if balance is not None:
+                raise DpoolValueError("give either shard_weights or balance='auto', not both")
+        if balance not in (None, "auto"):
+            raise DpoolValueError(f"balance={balance!r}: the only balancing mode is 'auto'")
+        self._weights = [float(w) for w in weights] if weights is not None else None
+        self.measuring = balance == "auto"
+        self._rates = [[0.0, 0.0] for _ in range(n)]  # EMA seconds per row: forward, backward
+
+    def observe(self, phase: int, busy: Sequence[float], rows: Sequence[int]) -> None:
+        """The time each shard's handler took in ``phase`` (0 forward, 1 backward) for its ``rows``."""
+        if not self.measuring:
+            return
+        for w, (b, r) in enumerate(zip(busy, rows)):
+            rate = b / max(r, 1)
+            old = self._rates[w][phase]
+            self._rates[w][phase] = rate if old == 0.0 else 0.7 * old + 0.3 * rate
+
+    def weights(self) -> list[float] | None:
+        """The shares to split by, or ``None`` for even shards."""
+        if self._weights is not None:
+            return self._weights
+        if self.measuring and all(r[0] > 0 for r in self._rates):
+            return [1.0 / (r[0] + r[1]) for r in self._rates]
+        return None

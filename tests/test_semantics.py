@@ -401,7 +401,7 @@ def test_buffers_grow_with_the_batch(wrap):
         out.pow(2).sum().backward()
         rout.pow(2).sum().backward()
         torch.testing.assert_close(x.grad, rx.grad)
-        sizes.append(tuple(rt._io[0][r].seg.size for r in ("in", "out", "gout", "gin")))
+        sizes.append(tuple(rt.io.segment(0, r).size for r in ("in", "out", "gout", "gin")))
     for p, rp in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, rp.grad)
     assert sizes[2] > sizes[0] and sizes[3] == sizes[2] == sizes[4]  # grown once, then reused

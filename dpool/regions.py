@@ -1,0 +1,97 @@
+"""Each worker's I/O segments, and which input regions must outlive a call.
+
+A worker has one growable segment per role: ``in`` (input shards, and targets
+for a loss on the workers), ``out`` (its outputs), ``gout`` (gradients of its
+outputs), ``gin`` (gradients of its inputs) and ``sparse`` (sparse parameter
+gradients). A segment is allocated once and replaced by a larger one (at least
+twice the size, a power of two) when a larger batch arrives.
+
+Inputs are different: a graph kept on a worker may have saved its input
+tensors, which are views of ``in``. So each call's input span is recorded
+(:meth:`IORegions.keep`) until the call's graph is released, and new inputs
+are placed after every span still kept in the current ``in`` segment; when
+they do not fit, a new segment is made and the old one lives as long as the
+spans in it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable
+
+__all__ = ["IORegions", "MIN_IO", "ROLES"]
+
+MIN_IO = 1 << 20
+ROLES = ("in", "out", "gout", "gin", "sparse")
+
+Span = tuple[Any, int, int]  # (segment, start, end)
+NewSegment = Callable[[int, int], Any]  # (worker, bytes) → a new segment on that worker's device
+
+
+def _grown(need: int, old: Any) -> int:
+    return max(need, MIN_IO, 2 * old.size if old is not None else 0)
+
+
+class IORegions:
+    """The I/O segments of ``n`` workers.
+
+    Args:
+        n: number of workers.
+        new_segment: makes a segment of at least the given size for a worker (the pool's allocator).
+    """
+
+    def __init__(self, n: int, new_segment: NewSegment) -> None:
+        self._new = new_segment
+        self._segs: list[dict[str, Any]] = [dict.fromkeys(ROLES) for _ in range(n)]
+        self._kept: list[dict[Hashable, Span]] = [{} for _ in range(n)]
+
+    def segment(self, w: int, role: str) -> Any:
+        """Worker ``w``'s current segment for ``role`` (``None`` before its first use)."""
+        return self._segs[w][role]
+
+    def ensure(self, w: int, role: str, need: int) -> Any:
+        """Worker ``w``'s segment for ``role``, replaced by a larger one if it holds fewer than ``need`` bytes."""
+        seg = self._segs[w][role]
+        if seg is None or seg.size < need:
+            seg = self._segs[w][role] = self._new(w, _grown(need, seg))
+        return seg
+
+    def _input_start(self, w: int) -> tuple[Any, int]:
+        seg = self._segs[w]["in"]
+        return seg, max((end for s, _, end in self._kept[w].values() if s is seg), default=0)
+
+    def input_growth(self, w: int, need: int) -> int:
+        """Bytes of the new segment :meth:`input_region` would create for ``need`` bytes (0 if they fit)."""
+        seg, start = self._input_start(w)
+        if seg is not None and start + need <= seg.size:
+            return 0
+        return 1 << (_grown(need, seg) - 1).bit_length()
+
+    def input_region(self, w: int, need: int) -> tuple[Any, int]:
+        """Where ``need`` bytes of new inputs go for worker ``w``: ``(segment, start)``, after every kept span."""
+        seg, start = self._input_start(w)
+        if seg is None or start + need > seg.size:
+            seg = self._segs[w]["in"] = self._new(w, _grown(need, seg))
+            start = 0
+        return seg, start
+
+    def keep(self, w: int, key: Hashable, span: Span) -> None:
+        """Keep worker ``w``'s input ``span`` until :meth:`release` of the call ``key`` names (its first item)."""
+        self._kept[w][key] = span
+
+    def kept(self, w: int, key: Hashable) -> Span | None:
+        return self._kept[w].get(key)
+
+    def release(self, call: int) -> None:
+        """Forget the spans of ``call`` (keys ``call`` and ``(call, ...)``) on every worker."""
+        for kept in self._kept:
+            for key in [k for k in kept if k == call or (isinstance(k, tuple) and k[0] == call)]:
+                del kept[key]
+
+    def reset(self, w: int) -> None:
+        """Worker ``w`` was replaced: its segments and spans are gone with it."""
+        self._segs[w] = dict.fromkeys(ROLES)
+        self._kept[w] = {}
+
+    def clear(self) -> None:
+        """Drop every reference to shared memory (at close)."""
+        self._segs = []
+        self._kept = []

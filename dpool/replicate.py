@@ -1,0 +1,228 @@
+"""The master module's side of replication: its tensors in shared memory, and the model shipped once.
+
+nn.DataParallel replicates the module on every forward. dpool does it once:
+
+* :meth:`Master.bind` lays the master's parameters and buffers out in one
+  shared region (:class:`dpool.layout.Layout`) and rebinds them there
+  (``p.data = view``). Replicas build their tensors over the same memory, so
+  the optimizer's in-place updates reach every worker with no copy.
+* :meth:`Master.pickle` pickles the module with every parameter and buffer
+  replaced by a reference (``persistent_id``): what travels is the module's
+  structure, never tensor data.
+* Changes after ``wrap()`` are noticed: a replaced tensor (``p.data = t``,
+  ``load_state_dict(assign=True)``) is copied back into shared memory before
+  the next forward (:meth:`Master.check_bindings`); a new parameter, buffer or
+  submodule sets :attr:`Master.changed` through torch's registration hooks,
+  and the coordinator ships the model again.
+* :meth:`Master.unbind` gives every tensor private memory again, so the
+  module outlives the pool.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import weakref
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+from torch.nn.modules import module as _module_hooks
+
+from .errors import DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError
+from .layout import Layout
+from .tensors import dense_strides
+
+__all__ = ["Master"]
+
+
+class _Pickler(cloudpickle.Pickler):
+    """Pickles the model with its parameters and buffers replaced by references."""
+
+    def __init__(self, file: io.BytesIO, ids: dict[int, tuple]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._ids = ids
+
+    def persistent_id(self, obj: Any) -> Any:  # noqa: D401
+        if isinstance(obj, torch.Tensor):
+            return self._ids.get(id(obj))
+        return None
+
+
+def _unpicklable_attribute(module: torch.nn.Module) -> str | None:
+    """``model.sub.attr: type`` of the first attribute of ``module`` (or a submodule) that cannot be pickled."""
+    skip = {"_parameters", "_buffers", "_modules"}
+    for name, m in module.named_modules():
+        for key, value in vars(m).items():
+            if key in skip or isinstance(value, torch.Tensor):
+                continue
+            try:
+                cloudpickle.dumps(value)
+            except Exception:
+                path = "model" + (f".{name}" if name else "") + f".{key}"
+                return f"{path}: {type(value).__module__}.{type(value).__qualname__}"
+    return None
+
+
+class Master:
+    """The master module's tensors, bound to one shared region.
+
+    Args:
+        module: the master module, on ``device`` (the CPU, or ``device_ids[0]``'s GPU).
+        device: where the master lives.
+    """
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self.module = module
+        self.device = device
+        self.changed = False
+        self._hooks: list[Any] = []
+        self.region: Any = None
+        self.param_views: list[torch.Tensor] = []
+        self.buffer_views: list[torch.Tensor] = []
+        self.collect()
+
+    # ------------------------------------------------------------------ reading the module
+    def collect(self) -> None:
+        """Read the module's parameters and buffers (names, tensors), refusing what dpool cannot run."""
+        module = self.module
+        self.param_names = [n for n, _ in module.named_parameters()]
+        self.params = list(module.parameters())
+        named_buffers = list(module.named_buffers())
+        self.buffer_names = [n for n, _ in named_buffers]
+        self.buffers = [b for _, b in named_buffers]
+        self.modules = list(module.modules())
+        self._module_ids = {id(m) for m in self.modules}
+        for name, t in list(zip(self.param_names, self.params)) + named_buffers:
+            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+                raise DpoolValueError(
+                    f"{name} is an uninitialized (lazy) tensor; run one forward pass on a sample batch "
+                    "before dpool.wrap() so that its shape is known"
+                )
+            if t.requires_grad and not isinstance(t, torch.nn.Parameter):
+                raise UnsupportedError(
+                    f"buffer {name} requires grad. nn.DataParallel broadcasts such a buffer with autograd so that "
+                    "gradients reach it; dpool's replicas read buffers from shared memory and could not return "
+                    "those gradients, so they would be silently wrong. Register it as an nn.Parameter "
+                    "(requires_grad=True) to train it, or .detach() it if it needs no gradient."
+                )
+            if t.device.type == "meta":
+                raise DpoolValueError(
+                    f"{name} is a meta tensor (no data): materialize the module on the CPU before dpool.wrap(), "
+                    "e.g. module.to_empty(device='cpu') and initialize it, or load_state_dict(..., assign=True)"
+                )
+            if t.device != self.device:
+                if self.device.type == "cuda":
+                    raise DpoolValueError(
+                        f"module must have its parameters and buffers on device {self.device} (device_ids[0]) but "
+                        f"found {name} on device: {t.device}. Move it there before dpool.wrap() (and before "
+                        f"creating the optimizer): module.to('{self.device}'); or list its GPU first in device_ids "
+                        "(device_ids are logical: CUDA_VISIBLE_DEVICES reorders them)."
+                    )
+                raise DpoolValueError(
+                    f"{name} is on {t.device}, but CPU workers need the master module on the CPU; "
+                    "call module.cpu() before dpool.wrap()"
+                )
+
+    def same_objects(self) -> bool:
+        """Whether the module still has the parameters, buffers and submodules :meth:`collect` read."""
+        return ([id(p) for p in self.module.parameters()] == [id(p) for p in self.params]
+                and [id(b) for b in self.module.buffers()] == [id(b) for b in self.buffers]
+                and [id(m) for m in self.module.modules()] == [id(m) for m in self.modules])
+
+    # ------------------------------------------------------------------ shared memory
+    def bind(self, new_region: Callable[[int], Any]) -> None:
+        """Lay the tensors out in a region from ``new_region(bytes)`` and rebind the module's tensors to it."""
+        layout = self.layout = Layout(self.params, self.buffers)
+        self.region = region = new_region(layout.size)
+        self.param_strides = [dense_strides(p) for p in self.params]  # memory formats, kept in shared memory
+        self.param_views = []
+        for p, off, st in zip(self.params, layout.param_offsets, self.param_strides):
+            v = region.standalone(off, p.dtype, p.shape, st)
+            v.copy_(p.detach())
+            self.param_views.append(v)
+        self.buffer_views = []
+        for b, off in zip(self.buffers, layout.buffer_offsets):
+            v = region.standalone(off, b.dtype, b.shape)
+            v.copy_(b.detach())
+            self.buffer_views.append(v)
+        with torch.no_grad():
+            for t, v in zip(self.params + self.buffers, self.param_views + self.buffer_views):
+                t.data = v
+        self._ptrs = [t.data_ptr() for t in self.params + self.buffers]
+
+    def unbind(self) -> None:
+        """Give every tensor still bound to the region private memory (a copy of its values)."""
+        with torch.no_grad():
+            for t, v in zip(self.params + self.buffers, self.param_views + self.buffer_views):
+                if t.data_ptr() == v.data_ptr():
+                    t.data = v.clone()
+
+    def check_bindings(self) -> None:
+        """Re-attach tensors the user replaced (``p.data = ...``, ``load_state_dict(assign=True)``)."""
+        for i, t in enumerate(self.params + self.buffers):
+            if t.data_ptr() != self._ptrs[i]:
+                self._rebind(i, t)
+
+    def _rebind(self, i: int, t: torch.Tensor) -> None:
+        v = (self.param_views + self.buffer_views)[i]
+        if t.shape != v.shape or t.dtype != v.dtype or t.device != v.device:
+            name = (self.param_names + self.buffer_names)[i]
+            raise ModelChangedError(
+                f"{name} of the master module changed to {tuple(t.shape)}/{t.dtype}/{t.device} after "
+                f"dpool.wrap() (it was {tuple(v.shape)}/{v.dtype}/{v.device}). The workers' replicas cannot follow a "
+                "change of shape, dtype or device: close this model and dpool.wrap() the module again."
+            )
+        with torch.no_grad():
+            v.copy_(t.detach())
+            t.data = v
+        self._ptrs[i] = t.data_ptr()
+
+    # ------------------------------------------------------------------ the model, shipped
+    def pickle(self) -> bytes:
+        """The module pickled with its tensors by reference; an unpicklable attribute is named in the error."""
+        ids: dict[int, tuple] = {}
+        for i, p in enumerate(self.params):
+            ids[id(p)] = ("p", i, p.requires_grad)
+        for i, b in enumerate(self.buffers):
+            ids.setdefault(id(b), ("b", i))
+        buf = io.BytesIO()
+        try:
+            _Pickler(buf, ids).dump(self.module)
+        except Exception as exc:
+            where = _unpicklable_attribute(self.module)
+            raise UnpicklableModelError(
+                f"dpool could not pickle the model to ship it to the workers: {exc}"
+                + (f"\nThe culprit is {where}. Delete that attribute before dpool.wrap(), create it lazily "
+                   "(e.g. in forward, or a property), or give its class a __getstate__ that leaves it out."
+                   if where else "")
+            ) from exc
+        return buf.getvalue()
+
+    # ------------------------------------------------------------------ changes after wrap()
+    def watch(self) -> None:
+        """Set :attr:`changed` on any assignment to a parameter, buffer or submodule of the module.
+
+        torch's global registration hooks run on every such ``setattr``; the hook only sets the flag,
+        and the coordinator compares identities (:meth:`same_objects`) before its next forward.
+        """
+        ref = weakref.ref(self)
+
+        def changed(module: torch.nn.Module, name: str, value: Any) -> None:
+            master = ref()
+            if master is not None and id(module) in master._module_ids:
+                master.changed = True
+
+        self._hooks = [_module_hooks.register_module_parameter_registration_hook(changed),
+                       _module_hooks.register_module_buffer_registration_hook(changed),
+                       _module_hooks.register_module_module_registration_hook(changed)]
+
+    def close(self) -> None:
+        """Stop watching, give the tensors private memory, drop every view of the region."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.unbind()
+        if self.region is not None:
+            self.region.close_fd()
+        self.param_views = self.buffer_views = []
+        self.region = None
