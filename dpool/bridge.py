@@ -42,7 +42,8 @@ _INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the user's line (outside dpool and torch)."""
-    frame, level = sys._getframe(1), 1
+    frame: Any = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     return level
@@ -127,7 +128,7 @@ class CallState:
         self.k = k
         self.groups = groups
         self.metas = metas
-        self.outs = outs
+        self.outs: list[Any] | None = outs
         self.splits = splits
         self.gin_sizes = gin_sizes
         self.rg = rg
@@ -140,7 +141,7 @@ class CallState:
         dim = runtime.dim
         self.differentiable = [any(metas[s][g[s]].requires_grad for s in range(k)) for g in groups]
         self.stacked = [runtime.n > 1 and all(len(metas[s][g[s]].shape) == 0 for s in range(k)) for g in groups]
-        self.sizes = [
+        self.sizes: list[Any] = [
             None if st else [metas[s][g[s]].shape[dim] if len(metas[s][g[s]].shape) > dim else None for s in range(k)]
             for g, st in zip(groups, self.stacked)
         ]
@@ -152,6 +153,7 @@ class CallState:
         dev = self.runtime.output_device
         warned = False
         for g, stacked in zip(self.groups, self.stacked):
+            assert self.outs is not None
             parts = [read(self.outs[s].views, self.metas[s][g[s]]) for s in range(self.k)]
             if parts and parts[0].device != dev:  # GPU workers, outputs gathered elsewhere (another GPU, the CPU)
                 parts = [p.to(dev) for p in parts]
@@ -206,7 +208,7 @@ class CallState:
             if not needs:
                 continue
             dev = next(devices)
-            parts = []
+            parts: list[Any] = []
             for s in range(self.k):
                 m = metas[s][j]
                 if m is None:

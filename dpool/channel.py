@@ -130,7 +130,7 @@ class Channel:
 
     def drain(self) -> list[tuple[bytes, P.Message]]:
         """Every authenticated message queued now, in arrival order."""
-        out = []
+        out: list[tuple[bytes, P.Message]] = []
         while True:
             got = self.recv_nowait()
             if got is None:

@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import cloudpickle
 import torch
@@ -242,7 +242,7 @@ class Runtime:
         self._buffer_slots = [self._buffers.slot_views(st.u8) for st in self.states]
 
     # ------------------------------------------------------------------ rounds and their failures
-    def _request(self, msgs: dict[int, P.Message], stage: str) -> dict[int, P.Message]:
+    def _request(self, msgs: Mapping[int, P.Message], stage: str) -> dict[int, Any]:
         """``pool.request`` that, on a dead or hung worker, restarts it (``max_restarts``) or breaks the pool."""
         try:
             return self._lost_contexts(self.pool.request(msgs, stage))
@@ -260,7 +260,7 @@ class Runtime:
                     exc.args = (f"{exc.args[0]} Restarting it failed too ({again}); the pool is broken; "
                                 "the master module is unchanged (dpool.unwrap(model) returns it).",)
                     raise exc from again
-                exc.restarted = True  # type: ignore[attr-defined]
+                exc.restarted = True  # type: ignore[union-attr]
                 exc.args = (f"{exc.args[0]} Worker(s) {dead} were restarted and re-synced from the master "
                             f"({self.restarts_left} restart(s) left): the master module is unchanged and the next "
                             "call runs on the restarted pool.",)
@@ -270,7 +270,7 @@ class Runtime:
                         "returns it; pass max_restarts=K to dpool.wrap to respawn workers instead).",)
             raise
 
-    def _lost_contexts(self, replies: dict[int, P.Message]) -> dict[int, P.Message]:
+    def _lost_contexts(self, replies: dict[int, Any]) -> dict[int, Any]:
         """Raise :class:`WorkerDiedError` for workers whose CUDA context a sticky error destroyed (they exit)."""
         if not self.pool.exiting:  # filled by the pool when a CONTEXT_LOST reply arrives
             return replies
@@ -304,7 +304,7 @@ class Runtime:
         self._sent_flags = None  # a new process starts with torch's default numerics settings
         self._init_workers(indices)
 
-    def _raise_failures(self, replies: dict[int, P.Message], where: str) -> None:
+    def _raise_failures(self, replies: Mapping[int, Any], where: str) -> None:
         failed = sorted((i, r) for i, r in replies.items() if isinstance(r, P.Failed))
         if not failed:
             return
@@ -406,10 +406,10 @@ class Runtime:
                 self.graphs.release(call)  # drop graphs kept by the shards that succeeded
             raise
         specs = [replies[s].tree for s in range(k)]
-        metas = [replies[s].tensors for s in range(k)]
+        out_metas = [replies[s].tensors for s in range(k)]
         groups = _gather.tensor_groups(specs)
         outs = [self.io.segment(s, "out") for s in range(k)]
-        state = CallState(self, call, k, groups, metas, outs, splits, gin_sizes, rg,
+        state = CallState(self, call, k, groups, out_metas, outs, splits, gin_sizes, rg,
                           [[t.shape for t in shards[s]] for s in range(k)])
         diff_inputs = [t for t, r in zip(tensors, rg) if r]
         diff_params = [p for p in self.params if p.requires_grad] if grad else []
@@ -436,7 +436,7 @@ class Runtime:
         state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
         rows = next((sizes for sizes in splits if sizes is not None), [1] * k)
         self.stats.forward(rows, [replies[s].busy for s in range(k)], sum(nbytes(t) for sh in shards for t in sh),
-                           sum(meta_nbytes(m) for ms in metas for m in ms))
+                           sum(meta_nbytes(m) for ms in out_metas for m in ms))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: forward of %d shards (rows %s), workers busy %s ms", pool.step, k, rows,
                       [round(replies[s].busy * 1e3, 2) for s in range(k)])
@@ -564,7 +564,7 @@ class Runtime:
         for s in range(k):
             mine = per_shard[s]
             placer = Placer()
-            offs = [placer.reserve(g) if g is not None else None for g in mine]
+            offs: list[Any] = [placer.reserve(g) if g is not None else None for g in mine]
             seg = self.io.ensure(s, "gout", placer.offset)
             gmetas = [Placer.write(seg.views, o, g.detach()) if g is not None else None for o, g in zip(offs, mine)]
             gin = self.io.ensure(s, "gin", gin_sizes[s])
@@ -621,6 +621,18 @@ class Runtime:
         replies = self._request({i: P.Call(payload) for i in range(self.n)}, "running a function")
         self._raise_failures(replies, "worker_states")
         return [cloudpickle.loads(replies[i].result) for i in range(self.n)]
+
+    @_one_call_at_a_time
+    def inspect(self) -> list[tuple[int, int]]:
+        """Per worker: the graphs it keeps for us, and its resident memory in bytes (one round trip)."""
+        release = self.graphs.collect(self.io.release)
+        try:
+            replies = self._request({i: P.Inspect(release) for i in range(self.n)}, "reporting its state")
+        except BaseException:
+            self.graphs.release(release)
+            raise
+        self._raise_failures(replies, "stats")
+        return [(replies[i].graphs, replies[i].rss) for i in range(self.n)]
 
     def close(self) -> None:
         """Close the pool; the master keeps its values in private memory."""

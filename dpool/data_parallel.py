@@ -141,7 +141,7 @@ class DataParallel(nn.DataParallel):
         if not isinstance(dim, int) or dim < 0:
             raise DpoolValueError(f"dim must be a non-negative int, got {dim!r}")
         self.module = module
-        self.device_ids = devices
+        self.device_ids: list[str] = devices
         self.output_device = out_dev
         self.dim = dim
         cfg = (config or Config()).replace(**options) if options else (config or Config())
@@ -225,20 +225,29 @@ class DataParallel(nn.DataParallel):
             raise PoolBrokenError("this dpool model is closed")
         return rt.call_workers(fn)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, inspect: bool = False) -> dict[str, Any]:
         """Timings and traffic of the latest step, per worker.
+
+        Args:
+            inspect: also ask every worker what it holds (one round trip to the workers; raises
+                like a forward if the pool is broken): per worker, ``graphs_kept`` (autograd graphs
+                it keeps for outputs you can still backpropagate through; a number that grows step
+                after step means something holds on to old outputs) and ``rss_bytes`` (its resident
+                memory).
 
         Returns:
             dict: ``steps`` (forwards so far), ``restarts`` (workers respawned), ``shard_rows``
             (rows per shard of the latest forward), ``workers`` (per worker: ``index``, ``device``,
             ``pid``, ``forward_ms`` and ``backward_ms``, the time its handler took in the latest
-            forward and backward) and ``bytes_per_step`` (``inputs``, ``outputs``, ``output_grads``
-            and ``param_grads`` moved through shared memory in the latest step).
+            forward and backward; with ``inspect``, ``graphs_kept`` and ``rss_bytes``) and
+            ``bytes_per_step`` (``inputs``, ``outputs``, ``output_grads`` and ``param_grads`` moved
+            through shared memory in the latest step).
         """
         rt = self._runtime
         if rt is None:
             raise PoolBrokenError("this dpool model is closed")
-        return rt.stats.snapshot([w.pid for w in rt.pool.workers], self.device_ids)
+        held = rt.inspect() if inspect else None
+        return rt.stats.snapshot([w.pid for w in rt.pool.workers], self.device_ids, held)
 
     @property
     def pids(self) -> list[int]:

@@ -6,7 +6,7 @@ Shared by :func:`dpool.wrap` and the ``dpool-workers`` daemon (which parses and 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Sequence, TypeAlias
 
 import psutil
 import torch
@@ -18,7 +18,7 @@ from .errors import DpoolTypeError, DpoolValueError
 
 __all__ = ["DeviceLike", "parse_devices", "check_devices", "pool_devices"]
 
-DeviceLike = int | str | torch.device
+DeviceLike: TypeAlias = "int | str | torch.device"
 
 
 def parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
@@ -33,7 +33,7 @@ def parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
         return ["cpu"] * cores
     if isinstance(device_ids, (str, int, torch.device)):
         raise DpoolTypeError("device_ids must be a list, e.g. ['cpu', 'cpu'] or [0, 1]")
-    devices = []
+    devices: list[str] = []
     for d in device_ids:
         if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
             raise DpoolTypeError(f"device_ids entries must be GPU indices, torch.device or strings, got {d!r}")

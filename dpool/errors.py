@@ -250,7 +250,7 @@ def remote_error(
         err = cls(text)
     except Exception:
         try:
-            err = cls.__new__(cls)  # a user type whose __init__ takes other arguments
+            err = cls.__new__(cls)  # type: ignore[call-overload]  # a user type whose __init__ takes other arguments
             Exception.__init__(err, text)
         except Exception:  # exotic exception types: keep the dpool type at least
             err = RemoteError(text)

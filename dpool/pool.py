@@ -70,7 +70,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import psutil
 import torch
@@ -320,7 +320,7 @@ class Pool:
                 "for a new pool."
             )
 
-    def request(self, msgs: dict[int, P.Message], stage: str, timeout: float | None = None) -> dict[int, P.Message]:
+    def request(self, msgs: Mapping[int, P.Message], stage: str, timeout: float | None = None) -> dict[int, Any]:
         """Send one message to each chosen worker and wait for all replies.
 
         Returns:
@@ -395,8 +395,8 @@ class Pool:
                 return w.index
         return -1
 
-    def _wait(self, need: set[int], stage: str, timeout: float) -> dict[int, P.Message]:
-        replies: dict[int, P.Message] = {}
+    def _wait(self, need: set[int], stage: str, timeout: float) -> dict[int, Any]:
+        replies: dict[int, Any] = {}
         start = time.monotonic()
         deadline = start + timeout
         hb_timeout_ns = int(self.config.heartbeat_timeout_s * 1e9)
@@ -457,7 +457,7 @@ class Pool:
         time.sleep(0.05)  # let simultaneous deaths land, so one error names them all
         if self._closed:
             raise PoolBrokenError(f"the pool was closed (from another thread) while {stage} at step {self.step}")
-        readable, _, _ = select.select([w.pidfd for w in self.workers if w.alive], [], [], 0)
+        readable, _, _ = select.select([w.pidfd for w in self.workers if w.alive and w.pidfd is not None], [], [], 0)
         dead = [w for w in self.workers if w.alive and w.pidfd in readable]
         if not dead:
             return
@@ -525,7 +525,7 @@ class Pool:
         control = getattr(self, "control", None)
         if control is not None:  # unlinked at start, so no longer in _segments: its fd is closed here
             control.close_fd()
-            self._beats = None  # the last view of the control mapping: it is unmapped with the segment
+            self._beats = None  # type: ignore[assignment]  # the last view of the control mapping: it is unmapped with the segment
             self.control = None
         if not self.chan.closed:
             self.chan.close()

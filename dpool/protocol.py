@@ -32,8 +32,14 @@ Ops follow one naming scheme: a request is a verb (``forward``, ``attach``,
 from __future__ import annotations
 
 import hmac
+import sys
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple, TypeVar
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # typing_extensions comes with torch
+    from typing_extensions import dataclass_transform
 
 import msgpack
 
@@ -57,8 +63,8 @@ __all__ = [
     "BackwardDone",
     "Criterion",
     "CriterionDone",
-    "Release",
-    "ReleaseDone",
+    "Inspect",
+    "InspectDone",
     "Call",
     "CallDone",
     "AllReduce",
@@ -80,7 +86,7 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 4  # 2: attach derives the session key from a nonce; attach_reply names the daemon pid
+PROTOCOL_VERSION = 5  # 5: a typed boot message; inspect replaces release (used only by tests)
 # 3: forward carries a seed drawn from the coordinator's generator; sparse gradients; parameter strides;
 #    backward keep_as (higher-order gradients)
 # 4: one op-naming scheme (the daemon's ops too; fetch answered by fetch_done); tensor metas validated
@@ -127,13 +133,19 @@ _LIST = (list,)
 _METAS = (list, "metas")  # a list of TensorMeta (or None), checked and typed by Codec
 
 
-def _message(op: str, **types: tuple[type, ...]):  # type: ignore[no-untyped-def]
-    def deco(cls: type) -> type:
+_M = TypeVar("_M", bound="Message")
+
+
+@dataclass_transform()
+def _message(op: str, **types: Any) -> Callable[[type[_M]], type[_M]]:
+    """Make a slotted dataclass message with op name ``op`` and the allowed python types of each field."""
+
+    def deco(cls: type[_M]) -> type[_M]:
         cls = dataclass(slots=True)(cls)
-        cls.op = op  # type: ignore[attr-defined]
-        cls._types = types  # type: ignore[attr-defined]
-        cls._names = tuple(types)  # type: ignore[attr-defined]
-        assert [f.name for f in fields(cls)] == list(types), cls
+        cls.op = op
+        cls._types = types
+        cls._names = tuple(types)
+        assert [f.name for f in fields(cls)] == list(types), cls  # type: ignore[arg-type]
         return cls
 
     return deco
@@ -382,14 +394,21 @@ class CriterionDone(Message):
     denom: float
 
 
-@_message("release", calls=_LIST)
-class Release(Message):
-    calls: list
+@_message("inspect", release=_LIST)
+class Inspect(Message):
+    """Coordinator → worker: what do you hold? (``DataParallel.stats(inspect=True)``). ``release``: calls
+    whose graphs to free first, as in :class:`Forward`."""
+
+    release: list
 
 
-@_message("release_done", live=_INT)
-class ReleaseDone(Message):
-    live: int
+@_message("inspect_done", graphs=_INT, rss=_INT)
+class InspectDone(Message):
+    """The graphs the worker keeps for the coordinator (calls it can still backpropagate through) and its
+    resident memory in bytes."""
+
+    graphs: int
+    rss: int
 
 
 @_message("call", fn=_BYTES)
@@ -557,7 +576,7 @@ MESSAGES: dict[str, type[Message]] = {
     cls.op: cls  # type: ignore[misc]
     for cls in (
         Boot, Hello, Init, InitDone, Forward, ForwardDone, Fetch, FetchDone, Backward, BackwardDone, FetchSparse,
-        FetchSparseDone, Criterion, CriterionDone, Release, ReleaseDone, Call, CallDone, AllReduce, AllReduceDone,
+        FetchSparseDone, Criterion, CriterionDone, Inspect, InspectDone, Call, CallDone, AllReduce, AllReduceDone,
         Shutdown, Failed, Output, Serve, ServeDone, Attach, AttachDone, Detach, DetachDone, Status, StatusDone, Stop,
         StopDone,
     )

@@ -33,7 +33,7 @@ class Reducer:
         device: where the sum is made and the gradients live (the master's device).
     """
 
-    def __init__(self, layout: Layout, params: Sequence[torch.Tensor], strides: Sequence[tuple | None],
+    def __init__(self, layout: Layout, params: Sequence[torch.Tensor], strides: Sequence[Sequence[int] | None],
                  device: torch.device) -> None:
         self.layout = layout
         self.params = list(params)

@@ -30,13 +30,14 @@ class Stats:
             self.backward_ms[s] = b * 1e3
         self.bytes["output_grads"], self.bytes["param_grads"] = output_grads, param_grads
 
-    def snapshot(self, pids: list[int], devices: list[str], live: list[int] | None = None) -> dict[str, Any]:
+    def snapshot(self, pids: list[int], devices: list[str],
+                 held: list[tuple[int, int]] | None = None) -> dict[str, Any]:
         workers = []
         for i in range(self.n):
             w = {"index": i, "device": devices[i], "pid": pids[i], "forward_ms": round(self.forward_ms[i], 3),
                  "backward_ms": round(self.backward_ms[i], 3)}
-            if live is not None:
-                w["graphs_kept"] = live[i]
+            if held is not None:
+                w["graphs_kept"], w["rss_bytes"] = held[i]
             workers.append(w)
         return {"steps": self.steps, "restarts": self.restarts, "shard_rows": list(self.rows), "workers": workers,
                 "bytes_per_step": dict(self.bytes)}

@@ -30,14 +30,14 @@ def sweep(directory: str = "/dev/shm", pattern: re.Pattern = SEGMENT_NAME) -> li
 
     def dead_owner(name: str) -> bool:
         m = pattern.match(name)
-        return bool(m) and m.group(1) == uid and not psutil.pid_exists(int(m.group(2)))
+        return m is not None and m.group(1) == uid and not psutil.pid_exists(int(m.group(2)))
 
     return _unlink_where(directory, dead_owner)
 
 
 def _unlink_where(directory: str, chosen: Callable[[str], bool]) -> list[str]:
     """Unlink the files of ``directory`` whose name is ``chosen``; return the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

@@ -185,9 +185,11 @@ def regions(tmp_path):
     io = IORegions(2, new)
     yield io, made
     io.clear()
-    for seg in made:
+    while made:  # unlinked, and unmapped once the last reference goes
+        seg = made.pop()
         seg.unlink()
         seg.close_fd()
+    del seg
 
 
 def test_regions_grow_by_doubling_and_keep_inputs_of_live_calls(regions):

@@ -15,6 +15,7 @@ State kept across steps:
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import sys
 import time
@@ -121,7 +122,7 @@ class Replica:
             "fetch": self.fetch,
             "backward": self.backward,
             "fetch_sparse": self.fetch_sparse,
-            "release": self.release,
+            "inspect": self.inspect,
             "call": self.call,
             "criterion": self.criterion,
         }
@@ -466,11 +467,13 @@ class Replica:
         return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom))
 
     # ---------------------------------------------------------------- misc
-    def release(self, msg: P.Release) -> P.Message:
-        for c in msg.calls:
+    def inspect(self, msg: P.Inspect) -> P.Message:
+        for c in msg.release:
             self.calls.pop(c, None)
             self.unfetched.pop(c, None)
-        return P.ReleaseDone(len(self.calls))
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return P.InspectDone(len(self.calls), rss)
 
     def call(self, msg: P.Call) -> P.Message:
         self.stage = "running a function on the replica"
