@@ -363,8 +363,8 @@ def test_foreign_key_is_rejected_before_decoding_and_unserved_ops_get_an_error(p
     # an authenticated op that a daemon does not serve is answered with an error, not silence
     from dpool.daemon_client import request
 
-    with pytest.raises(dpool.ProtocolError, match=r"does not serve 'release' requests"):
-        request(pool_name, P.Release([]), timeout=10)
+    with pytest.raises(dpool.ProtocolError, match=r"does not serve 'inspect' requests"):
+        request(pool_name, P.Inspect([]), timeout=10)
     assert status(pool_name)["client_pid"] is None
 
 
