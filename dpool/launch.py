@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
 __all__ = ["worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
-           "WORKER_MALLOC_KEEP", "Worker", "Launcher", "Spawn", "start_worker", "signal_name", "show_output"]
+           "WORKER_MALLOC_KEEP", "Worker", "Launcher", "Spawn", "start_worker", "join_or_kill", "signal_name",
+           "show_output"]
 
 _DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -183,6 +184,17 @@ def start_worker(boot: P.Boot, threads: int, pass_fds: Sequence[int], label: str
     return proc, threads_
 
 
+def join_or_kill(procs: Sequence[subprocess.Popen], grace: float) -> None:
+    """Wait up to ``grace`` seconds in all for ``procs`` to exit, then SIGKILL and reap the rest."""
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Worker:
     """One worker as the pool sees it: index, device, process, and what the pool tracks about it."""
 
@@ -276,16 +288,9 @@ class Spawn(Launcher):
             for w in pool.workers:
                 if w.alive and w.proc is not None and w.proc.poll() is None:
                     pool.tell(w, P.Shutdown())
-            deadline = time.monotonic() + grace
-            for w in pool.workers:
-                if w.proc is None:
-                    continue
-                try:
-                    w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+            join_or_kill([w.proc for w in pool.workers if w.proc is not None], grace)
         for w in pool.workers:
-            pool.kill(w)
+            pool.kill(w)  # reaped already, or killed now; releases what we held for it
 
     def kill_hung(self, w: Worker) -> None:
         assert w.proc is not None

@@ -325,6 +325,7 @@ class Daemon:
 
     def shutdown(self) -> int:
         from dpool import protocol as P
+        from dpool.launch import join_or_kill
 
         if self.client is not None:
             # A client is attached: say so in the state file *before* its workers go, so that the
@@ -337,15 +338,7 @@ class Daemon:
                     w.proc.kill()
         for w in self.workers:
             self.send(w.ident, P.Shutdown())
-        deadline = time.time() + 3
-        for w in self.workers:
-            if w.proc is None:
-                continue
-            try:
-                w.proc.wait(timeout=max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
+        join_or_kill([w.proc for w in self.workers if w.proc is not None], 3.0)
         self.chan.close()
         self.ctx.term()
         # A clean stop leaves nothing: the pool's directory goes (a crash keeps it, log included).
