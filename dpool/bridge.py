@@ -135,6 +135,7 @@ class CallState:
         self.shard_shapes = shard_shapes
         self.ctx: Any = None
         self.rows: list[int] = [1] * k
+        self.fseq = 0  # cross-node mode: the training forward this call was (its backward's header names it)
         self.diff_inputs: list[torch.Tensor] = []  # set by the runtime: what a double backward differentiates
         self.diff_params: list[torch.Tensor] = []
         self.input_devices: list[torch.device] = []  # of the inputs that require grad, in order

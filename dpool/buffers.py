@@ -13,10 +13,16 @@ Every forward starts each replica from the master's buffers. After every shard s
     the between-shard term, and the momentum update is applied once. Other floating-point
     buffers are averaged as in ``"average"``. (With :func:`dpool.convert_sync_batchnorm` every
     shard already sees full-batch statistics, and all three policies agree.)
+
+In cross-node mode ``"average"`` and ``"sync"`` are global: each node packs its shards'
+row-weighted buffer sums and BatchNorm moments into one float64 vector, the nodes sum it
+(``across``), and every node writes the same result. The master is only written after that
+all-reduce succeeded. (``"first"`` takes rank 0's buffers before every training forward; see
+:mod:`dpool.crossnode`.)
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -57,7 +63,8 @@ class BufferCommit:
         return [tensor_view(u8, off, b.dtype, b.shape) for b, off in zip(self.buffers, self.offsets)]
 
     def commit(self, master_bytes: torch.Tensor, first_bytes: torch.Tensor, slots: Sequence[list[torch.Tensor]],
-               sizes: Sequence[int], counts: Sequence[list[int]], training: Sequence[bool]) -> None:
+               sizes: Sequence[int], counts: Sequence[list[int]], training: Sequence[bool],
+               across: Callable[[torch.Tensor], None] | None = None) -> None:
         """Write the shards' buffer updates to the master.
 
         Args:
@@ -65,7 +72,11 @@ class BufferCommit:
             sizes: per shard, its number of rows (weights for ``"average"``).
             counts: per shard, values normalised by each BatchNorm (``"sync"`` only).
             training: per BatchNorm, whether it was in training mode for this forward.
+            across: cross-node mode: sums a float64 vector with the other nodes' in place.
         """
+        if across is not None and self.policy != "first":
+            self._commit_across(slots, sizes, counts, training, across)
+            return
         if self.policy == "first" or len(slots) == 1:
             master_bytes.copy_(first_bytes)
             return
@@ -112,3 +123,59 @@ class BufferCommit:
         self.master_views[iv].copy_((1 - f) * old_var + f * var)
         if inb is not None:
             self.master_views[inb].copy_(slots[0][inb])
+
+    def _commit_across(self, slots: Sequence[list[torch.Tensor]], sizes: Sequence[int], counts: Sequence[list[int]],
+                       training: Sequence[bool], across: Callable[[torch.Tensor], None]) -> None:
+        """``"average"`` and ``"sync"`` over every shard of every node: sums, one all-reduce, then the master."""
+        dev = self.master_views[0].device if self.master_views else torch.device("cpu")
+        slots = [[t.to(dev) for t in sl] for sl in slots]
+        parts: list[torch.Tensor] = [torch.tensor([float(sum(sizes))], dtype=torch.float64, device=dev)]
+        bns: list[tuple[int, nn.modules.batchnorm._BatchNorm, int, int, int | None, float]] = []
+        done: set[int] = set()
+        if self.policy == "sync":
+            for j, (bn, im, iv, inb) in enumerate(self.batchnorms):
+                if not training[j]:
+                    continue
+                if bn.momentum is None:  # cumulative moving average: factor 1 / num_batches_tracked
+                    assert inb is not None
+                    f = 1.0 / float(slots[0][inb])
+                else:
+                    f = bn.momentum
+                old_mean, old_var = self.master_views[im].double(), self.master_views[iv].double()
+                c = torch.tensor([float(c[j]) for c in counts], dtype=torch.float64, device=dev)
+                means = torch.stack([(s[im].double() - (1 - f) * old_mean) / f for s in slots])
+                var_b = torch.stack([(s[iv].double() - (1 - f) * old_var) / f for s in slots]) * ((c - 1) / c).view(-1, 1)
+                cw = c.view(-1, 1)
+                parts += [c.sum().view(1), (cw * means).sum(0), (cw * (var_b + means ** 2)).sum(0)]
+                bns.append((len(parts) - 3, bn, im, iv, inb, f))
+                done.update((im, iv) if inb is None else (im, iv, inb))
+        floats = []
+        for i, master in enumerate(self.master_views):
+            if i in done or not master.is_floating_point():
+                continue
+            acc = slots[0][i].double().reshape(-1) * sizes[0]
+            for s in range(1, len(slots)):
+                acc.add_(slots[s][i].double().reshape(-1), alpha=sizes[s])
+            parts.append(acc)
+            floats.append((len(parts) - 1, i))
+        vec = torch.cat(parts)
+        across(vec)  # may raise: the master is untouched until here
+        bounds = [0]
+        for p in parts:
+            bounds.append(bounds[-1] + p.numel())
+        piece = [vec[bounds[k]:bounds[k + 1]] for k in range(len(parts))]
+        rows = piece[0][0]
+        for k, bn, im, iv, inb, f in bns:
+            n = piece[k][0]
+            mean = piece[k + 1] / n
+            var = (piece[k + 2] / n - mean ** 2) * (n / (n - 1))
+            old_mean, old_var = self.master_views[im].double(), self.master_views[iv].double()
+            self.master_views[im].copy_((1 - f) * old_mean + f * mean)
+            self.master_views[iv].copy_((1 - f) * old_var + f * var)
+            if inb is not None:
+                self.master_views[inb].copy_(slots[0][inb])
+        for k, i in floats:
+            self.master_views[i].copy_((piece[k] / rows).view(self.master_views[i].shape))
+        for i, master in enumerate(self.master_views):
+            if i not in done and not master.is_floating_point():
+                master.copy_(slots[0][i])  # num_batches_tracked and other integer buffers: the first shard's

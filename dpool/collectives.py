@@ -2,7 +2,8 @@
 
 A worker inside a collective sends ``allreduce(seq, float64 bytes)`` and blocks
 until ``allreduce_done``. The hub sums the parts once every shard of the
-round has sent its own, and answers each. If any shard fails, every worker
+round has sent its own (in cross-node mode, also summed with the other nodes'
+totals through ``across``), and answers each. If any shard fails, every worker
 blocked in a collective of the round is released with ``abort``, so no
 worker waits for a part that will never come.
 """
@@ -24,6 +25,8 @@ class AllReduceHub:
     """Sums the parts of each all-reduce of one round of requests."""
 
     def __init__(self) -> None:
+        # Cross-node mode: sums the node's total with the other nodes' in place (dpool.crossnode).
+        self.across: Callable[[torch.Tensor], None] | None = None
         self._members = 0
         self._aborted = False
         self._parts: dict[int, dict[int, bytes]] = {}
@@ -52,6 +55,8 @@ class AllReduceHub:
         total = torch.zeros(next(iter(sizes)) // 8, dtype=torch.float64)
         for d in parts.values():
             total += from_bytes(d, torch.float64)
+        if self.across is not None:
+            self.across(total)
         data = to_bytes(total)
         for w in parts:
             reply(w, P.AllReduceDone(msg.seq, data, False))

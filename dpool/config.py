@@ -40,6 +40,12 @@ class Config:
         shm_dir: directory of the shared-memory segments (``DPOOL_SHM_DIR``).
         max_message_bytes: cap on one control message, enforced by ZeroMQ
             (``ZMQ_MAXMSGSIZE``) and by the msgpack decoder.
+        peer_timeout_s: cross-node mode: deadline for one collective between the nodes'
+            coordinators (``DPOOL_PEER_TIMEOUT``; default 600 s).
+        peer_heartbeat_s: cross-node mode: how often each coordinator beats in the process
+            group's store (``DPOOL_PEER_HEARTBEAT``).
+        peer_heartbeat_timeout_s: cross-node mode: silence after which a node is declared
+            frozen (``DPOOL_PEER_HEARTBEAT_TIMEOUT``).
     """
 
     heartbeat_interval_s: float = field(default_factory=lambda: _env_float("DPOOL_HEARTBEAT_INTERVAL", 0.2))
@@ -49,6 +55,9 @@ class Config:
     shutdown_timeout_s: float = 2.0
     shm_dir: str = field(default_factory=lambda: os.environ.get("DPOOL_SHM_DIR", "/dev/shm"))
     max_message_bytes: int = 64 * 1024 * 1024
+    peer_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_PEER_TIMEOUT", 600.0))
+    peer_heartbeat_s: float = field(default_factory=lambda: _env_float("DPOOL_PEER_HEARTBEAT", 1.0))
+    peer_heartbeat_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_PEER_HEARTBEAT_TIMEOUT", 30.0))
 
     def replace(self, **changes: Any) -> "Config":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

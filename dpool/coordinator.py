@@ -15,6 +15,13 @@ A step is transactional: the master is only touched after every shard has
 succeeded (buffers are committed after the forward round; gradients are
 returned to autograd after the backward round). A failed round leaves the
 master's parameters, gradients, buffers and optimizer state as they were.
+
+In cross-node mode (``nodes``, see :mod:`dpool.crossnode`) a training forward
+starts with the nodes agreeing on where they are (and rank 0's buffers), and
+the reduce also averages over the nodes. A failure in such a call ends this
+node's part in the job: the other nodes are told (the abort key), this node's
+workers are stopped, and the process exits past gloo's teardown (the exit
+guard in :mod:`dpool.peers`).
 """
 from __future__ import annotations
 
@@ -33,10 +40,12 @@ from . import protocol as P
 from .bridge import Bridge, CallState, DoubleBridge, DoubleState, Graphs
 from .buffers import BufferCommit
 from .config import Config
+from .crossnode import FORWARD, CrossNode, CrossNodeReducer
 from .errors import DpoolValueError, UnsupportedError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
 from .layout import Layout
 from .loss import ShardedOutput, build_output, combine
+from .peers import arm_exit_guard
 from .pool import Pool
 from .reduce import Reducer, sum_sparse
 from .regions import IORegions
@@ -83,8 +92,10 @@ class Runtime:
     def __init__(self, module: torch.nn.Module, devices: Sequence[str], dim: int, config: Config,
                  worker_threads: int, max_restarts: int = 0, buffers: str = "first",
                  shard_weights: Sequence[float] | None = None, balance: str | None = None,
-                 gather: bool = True, attach: str | None = None, output_device: str | None = None) -> None:
+                 gather: bool = True, attach: str | None = None, output_device: str | None = None,
+                 nodes: CrossNode | None = None) -> None:
         self.module = module
+        self.nodes = nodes
         self.dim = dim
         self.config = config
         self.n = len(devices)
@@ -115,6 +126,8 @@ class Runtime:
         if attach is not None and max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         self.pool = Pool(devices, config, worker_threads, attach=attach)
+        if nodes is not None:  # SyncBatchNorm's statistics span every worker of every node
+            self.pool.hub.across = functools.partial(nodes.all_reduce, doing="combining SyncBatchNorm statistics")
         self.io = IORegions(self.n, lambda w, size: self.pool.new_segment(size, device=self.devices[w], owner=w))
         try:
             self._start()
@@ -149,7 +162,11 @@ class Runtime:
         self.layout = master.layout
         self._buffers = BufferCommit(self.buffer_policy, self.module, master.buffers, self.layout.buffer_offsets,
                                      master.buffer_views)
-        self.reducer = Reducer(self.layout, master.params, master.param_strides, self.device)
+        self.reducer: Reducer
+        if self.nodes is not None:
+            self.reducer = CrossNodeReducer(self.layout, master.params, master.param_strides, self.device, self.nodes)
+        else:
+            self.reducer = Reducer(self.layout, master.params, master.param_strides, self.device)
 
     def _ship(self, by_name: bool) -> None:
         """Build every worker's replica from the pickled master module."""
@@ -326,9 +343,33 @@ class Runtime:
         raise remote_error(r.module, r.qualname, message, r.traceback, worker=i, device=w.device, pid=w.pid,
                            step=self.pool.step, where=f"{where} (shard {i})")
 
+    # ------------------------------------------------------------------ cross-node failures
+    def _synced(self, run: Callable[[], Any]) -> Any:
+        """Run a call that takes part in the nodes' collectives; a failure ends this node's part in the job."""
+        try:
+            return run()
+        except BaseException as exc:
+            self._leave_job(exc)
+            raise
+
+    def _leave_job(self, exc: BaseException) -> None:
+        """Tell the other nodes (abort key), stop this node's workers, arm the exit guard."""
+        nodes = self.nodes
+        assert nodes is not None
+        nodes.fail(exc)
+        arm_exit_guard(self.close)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        self.pool.break_pool(f"cross-node mode: {first}")
+        self.close()
+
     # ------------------------------------------------------------------ forward
     @_one_call_at_a_time
     def forward(self, args: tuple, kwargs: dict) -> Any:
+        if self.nodes is not None and torch.is_grad_enabled() and self.module.training and not self.no_sync:
+            return self._synced(lambda: self._forward(args, kwargs, True))
+        return self._forward(args, kwargs, False)
+
+    def _forward(self, args: tuple, kwargs: dict, synced: bool) -> Any:
         pool = self.pool
         pool.check_usable()
         if self.master.changed:
@@ -352,11 +393,23 @@ class Runtime:
             autocast = [kind, dtype_name(torch.get_autocast_dtype(kind)), torch.is_autocast_cache_enabled()]
         call = self.graphs.new_call()
         pool.step += 1
+        nodes = self.nodes if synced else None
+        if nodes is not None:  # the nodes agree on where they are; then rank 0's buffers (DDP's broadcast_buffers)
+            nodes.step = pool.step
+            nodes.fseq += 1
+            nodes.header(FORWARD, nodes.fseq)
+            if self.buffer_policy == "first" and self.layout.buffer_range is not None:
+                theirs = self._master_buffers.clone()
+                nodes.broadcast(theirs, "taking rank 0's buffers")
+                self._master_buffers.copy_(theirs)
         # One draw from the coordinator's generator per forward: torch.manual_seed(s) makes a run
         # reproducible, embedded or attached. Each shard seeds its own stream from it (as replicas on
         # several GPUs draw their own), so the numbers differ from a single process's.
         seed = int(torch.randint(_SEED_RANGE, (), dtype=torch.int64))
         msgs: dict[int, P.Message] = {}
+        # the shards that take part in the call's collectives (SyncBatchNorm): in cross-node mode the other
+        # nodes' too, so that a node with one worker still joins them
+        world = k if self.nodes is None else k + self.nodes.size - 1
         spans: list[tuple[Any, int, int]] = []
         gin_sizes = []
         layouts = []
@@ -384,7 +437,7 @@ class Runtime:
                 out = self.io.ensure(s, "out", 0)
                 msgs[s] = P.Forward(call, pool.step, grad, training, requires_grad,
                                     self.layout.buffer_range is not None, seg.ref(), out.ref(), spec, metas, s,
-                                    k, not self.gather_outputs, autocast, release, seed)
+                                    world, not self.gather_outputs, autocast, release, seed)
         except BaseException:
             pool.unlink_segments()  # segments made for this call were never announced to a worker
             self.graphs.release(release)
@@ -411,6 +464,7 @@ class Runtime:
         outs = [self.io.segment(s, "out") for s in range(k)]
         state = CallState(self, call, k, groups, out_metas, outs, splits, gin_sizes, rg,
                           [[t.shape for t in shards[s]] for s in range(k)])
+        state.fseq = self.nodes.fseq if self.nodes is not None else 0  # the training forward its backward names
         diff_inputs = [t for t, r in zip(tensors, rg) if r]
         diff_params = [p for p in self.params if p.requires_grad] if grad else []
         state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
@@ -445,7 +499,9 @@ class Runtime:
         if self.layout.buffer_range is not None:
             self._buffers.commit(self._master_buffers, self._first_buffers, self._buffer_slots[:k], rows,
                                  [replies[s].stats for s in range(k)],
-                                 [bn.training for bn, *_ in self._buffers.batchnorms])
+                                 [bn.training for bn, *_ in self._buffers.batchnorms],
+                                 across=None if nodes is None else functools.partial(
+                                     nodes.all_reduce, doing="combining buffer statistics"))
         state.rows = rows
         if gathered is None:
             return handle
@@ -516,6 +572,12 @@ class Runtime:
         Under ``create_graph=True`` (autograd runs this with grad mode on) the gradients returned are
         differentiable: see :class:`dpool.bridge.DoubleBridge`.
         """
+        if self.nodes is not None and not self.no_sync:
+            return self._synced(lambda: self._backward(state, grads, pieces))
+        return self._backward(state, grads, pieces)
+
+    def _backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
+                  pieces: list[list[torch.Tensor | None]] | None) -> list[torch.Tensor | None]:
         pool = self.pool
         pool.check_usable()
         if self.graphs.lost(state.call):
@@ -524,6 +586,9 @@ class Runtime:
                 "run the forward again (the master module is unchanged)"
             )
         create_graph = torch.is_grad_enabled()  # autograd enables grad mode here only for create_graph
+        if create_graph and self.nodes is not None:
+            raise UnsupportedError("higher-order gradients (create_graph=True) are not combined across nodes; "
+                                   "compute this term on dpool.unwrap(model), or pass process_group=None")
         if create_graph and (pieces is not None or self.no_sync):
             raise UnsupportedError(
                 "higher-order gradients (create_graph=True) through a dpool model are supported for gathered "
@@ -536,8 +601,10 @@ class Runtime:
         keep = 0
         if create_graph:
             keep = self.graphs.new_call()
+        if self.nodes is not None:
+            self.nodes.step = pool.step
         param_grads, replies = self._backward_round(state.call, state.k, per_shard, state.gin_sizes, keep,
-                                                    self.no_sync, rows=state.rows)
+                                                    self.no_sync, rows=state.rows, at=state.fseq)
         input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
         out = input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
         if not create_graph:
@@ -557,7 +624,7 @@ class Runtime:
         return [next(it) if g is not None else None for g in out]
 
     def _backward_round(self, call: int, k: int, per_shard: list[list[torch.Tensor | None]], gin_sizes: list[int],
-                        keep: int, hold: bool, rows: list[int] | None = None) -> tuple[list, dict]:
+                        keep: int, hold: bool, rows: list[int] | None = None, at: int = -1) -> tuple[list, dict]:
         """One backward round on ``k`` shards of ``call``: the summed parameter gradients and the replies."""
         pool = self.pool
         msgs: dict[int, P.Message] = {}
@@ -587,9 +654,12 @@ class Runtime:
                             sum(end - start for _, start, end, _ in self.layout.param_groups) * k)
         if rows is not None:
             self.balancer.observe(1, [replies[s].busy for s in range(k)], rows)
-        # Reduce: the workers' gradient slots, one sum per dtype group; then sparse gradients.
+        # Reduce: the workers' gradient slots, one sum per dtype group (averaged over the nodes in
+        # cross-node mode); then sparse gradients. Under no_sync() the gradients stay on the workers.
+        if hold:
+            return [None] * len(self.params), replies
         param_grads = self.reducer.reduce([self._grad_slots[s] for s in range(k)],
-                                          [replies[s].param_mask for s in range(k)])
+                                          [replies[s].param_mask for s in range(k)], at)
         for s in range(k):
             seg = self.io.segment(s, "sparse")
             sum_sparse(param_grads, [(i, read(seg.views, imeta), read(seg.views, vmeta))
@@ -641,6 +711,8 @@ class Runtime:
         self._closed = True
         self.master.close()
         self.pool.close()
+        if self.nodes is not None:
+            self.nodes.close()
         # Drop every reference to shared memory: a graph or output the user still holds keeps this
         # object alive, but not the mappings (each one also holds an fd; see close() in DataParallel).
         self.io.clear()

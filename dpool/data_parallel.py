@@ -16,7 +16,8 @@ from torch import nn
 
 from .coordinator import Runtime
 from .config import Config
-from .devices import DeviceLike, check_devices, parse_devices, pool_devices
+from .crossnode import CrossNode, resolve_group
+from .devices import DeviceLike, check_devices, local_share, parse_devices, pool_devices
 from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError
 
 __all__ = ["DataParallel", "wrap", "unwrap", "is_wrapped"]
@@ -72,6 +73,12 @@ class DataParallel(nn.DataParallel):
         gather (bool): ``False`` keeps outputs on the workers: a forward returns a
             :class:`dpool.ShardedOutput` for :func:`dpool.criterion` (loss computed on
             the workers) or for ``.gather()``. Default: ``True``.
+        process_group (optional): cross-node mode, one dpool node per machine under
+            ``torchrun``: ``"auto"`` (the default group, when ``torch.distributed`` is
+            initialised with more than one rank), ``None`` to stay on this node, or a
+            ``torch.distributed`` group. The nodes' gradients are averaged (DDP's
+            convention), parameters and buffers are taken from rank 0 at ``wrap()``; see
+            the README's "Many machines". Default: ``"auto"``.
         coordinator_threads (int, optional): torch threads of this process
             while the pool is open, so that it does not compete with the
             workers for cores; restored by :meth:`close`. ``None`` leaves the
@@ -111,6 +118,7 @@ class DataParallel(nn.DataParallel):
         balance: str | None = None,
         gather: bool = True,
         pool: str | None = None,
+        process_group: Any = "auto",
         config: Config | None = None,
         **options: Any,
     ) -> None:
@@ -146,15 +154,25 @@ class DataParallel(nn.DataParallel):
         self.dim = dim
         cfg = (config or Config()).replace(**options) if options else (config or Config())
         cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        threads = worker_threads or max(1, cores // len(devices))
+        threads = worker_threads or max(1, cores // (len(devices) * local_share()[1]))
         self._saved_threads = torch.get_num_threads()
         self._runtime: Runtime | None = None
         self._close_lock = threading.Lock()
         self._owner_thread = threading.get_ident()
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise DpoolValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
+        group = resolve_group(process_group)
+        self._nodes: CrossNode | None = None
+        if group is not None:
+            self._nodes = CrossNode(group, cfg, torch.device(devices[0]), auto=isinstance(process_group, str))
+            try:
+                self._nodes.join(module, len(devices))
+            except BaseException as exc:
+                self._nodes.fail(exc)
+                self._nodes.close()
+                raise
         self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
-                                gather, pool, str(out_dev))
+                                gather, pool, str(out_dev), nodes=self._nodes)
         _BOUND[module] = weakref.ref(self)
         if coordinator_threads is not None:
             torch.set_num_threads(coordinator_threads)
@@ -250,6 +268,21 @@ class DataParallel(nn.DataParallel):
         return rt.stats.snapshot([w.pid for w in rt.pool.workers], self.device_ids, held)
 
     @property
+    def rank(self) -> int:
+        """This node's rank in cross-node mode (0 otherwise)."""
+        return self._nodes.rank if self._nodes is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """The number of nodes in cross-node mode (1 otherwise)."""
+        return self._nodes.size if self._nodes is not None else 1
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0 (the node that saves checkpoints and logs); ``True`` on one node."""
+        return self.rank == 0
+
+    @property
     def pids(self) -> list[int]:
         """Process ids of the workers, in device order."""
         rt = self._runtime
@@ -292,7 +325,8 @@ class DataParallel(nn.DataParallel):
         return _master_copy, (self.module,)
 
     def extra_repr(self) -> str:
-        return f"device_ids={self.device_ids}, dim={self.dim}"
+        nodes = f", rank={self.rank}, world_size={self.world_size}" if self._nodes is not None else ""
+        return f"device_ids={self.device_ids}, dim={self.dim}{nodes}"
 
 
 _NOT_TRACED: Any = None

@@ -21,16 +21,32 @@ __all__ = ["DeviceLike", "parse_devices", "check_devices", "pool_devices"]
 DeviceLike: TypeAlias = "int | str | torch.device"
 
 
+def local_share() -> tuple[int, int]:
+    """This coordinator's ``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` under torchrun; ``(0, 1)`` otherwise."""
+    try:
+        size = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        rank = min(max(0, int(os.environ.get("LOCAL_RANK", "0"))), size - 1)
+    except ValueError:
+        return 0, 1
+    return rank, size
+
+
 def parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
     """``device_ids`` as one string per worker: ``"cpu"`` or ``"cuda:i"``.
 
     ``None`` means every visible GPU, or one CPU worker per physical core when there is none.
+    Under ``torchrun`` with several coordinators per machine (``LOCAL_WORLD_SIZE`` > 1), each
+    takes its ``LOCAL_RANK``'s share of the GPUs or cores.
     """
     if device_ids is None:
+        rank, size = local_share()
         if torch.cuda.is_available():
-            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+            gpus = list(range(torch.cuda.device_count()))
+            per = len(gpus) // size
+            mine = gpus[rank * per:(rank + 1) * per] if per else [gpus[rank % len(gpus)]]
+            return [f"cuda:{i}" for i in mine]
         cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        return ["cpu"] * cores
+        return ["cpu"] * max(1, cores // size)
     if isinstance(device_ids, (str, int, torch.device)):
         raise DpoolTypeError("device_ids must be a list, e.g. ['cpu', 'cpu'] or [0, 1]")
     devices: list[str] = []

@@ -13,6 +13,9 @@ Hierarchy::
     ├── PoolBrokenError        the pool is unusable after an earlier failure
     │   └── ForkedChildError   a forked child called a model whose pool belongs to its parent
     ├── DaemonLostError        the dpool-workers daemon of an attached pool is gone
+    ├── PeerLostError          cross-node mode: another node's coordinator died or aborted the job
+    ├── PeerTimeoutError       cross-node mode: a node stopped answering; also a TimeoutError
+    ├── CollectiveDesyncError  cross-node mode: the nodes reached different steps; also a RuntimeError
     ├── UnsupportedError       a use dpool cannot run exactly (raised instead of a wrong result);
     │                          also a NotImplementedError
     ├── PoolNotFoundError      no dpool-workers pool of that name runs; also a FileNotFoundError
@@ -42,6 +45,9 @@ __all__ = [
     "PoolBrokenError",
     "ForkedChildError",
     "DaemonLostError",
+    "PeerLostError",
+    "PeerTimeoutError",
+    "CollectiveDesyncError",
     "UnsupportedError",
     "PoolNotFoundError",
     "UnpicklableModelError",
@@ -146,6 +152,42 @@ class WorkerStartError(DpoolError):
 
 class DaemonLostError(DpoolError):
     """The ``dpool-workers`` daemon this model was attached to died or was stopped."""
+
+
+class _PeerError(DpoolError):
+    """Base of the cross-node errors: which rank, on which host and pid, at which step of this rank.
+
+    Attributes:
+        rank (int): the rank the error is about (the lost, silent or out-of-step one; -1 if unknown).
+        host (str): that rank's host name ("" if unknown).
+        pid (int): that rank's coordinator pid (-1 if unknown).
+        step (int): this rank's step counter when it happened.
+    """
+
+    def __init__(self, message: str, *, rank: int = -1, host: str = "", pid: int = -1, step: int = -1) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.pid = pid
+        self.step = step
+
+
+class PeerLostError(_PeerError):
+    """Another node's coordinator died, exited, or aborted the job after its own failure.
+
+    Raised on every surviving node within seconds (gloo's closed connection, or the abort key the
+    first node to fail writes into the process group's store).
+    """
+
+
+class PeerTimeoutError(_PeerError, TimeoutError):
+    """Another node stopped sending heartbeats (``peer_heartbeat_timeout_s``), or a cross-node
+    collective passed ``peer_timeout_s``."""
+
+
+class CollectiveDesyncError(_PeerError, RuntimeError):
+    """The nodes reached different collectives (one ran an extra forward or backward): the step is
+    refused before any gradient is combined."""
 
 
 class PoolBrokenError(DpoolError):

@@ -153,6 +153,11 @@ class Pool:
             raise
 
     @property
+    def hub(self) -> AllReduceHub:
+        """The collectives hub of the rounds (SyncBatchNorm's all-reduce)."""
+        return self._hub
+
+    @property
     def rejected(self) -> int:
         """Control messages dropped by authentication or validation."""
         return self.chan.rejected

@@ -7,10 +7,11 @@ on the master's device (DataParallel's ``reduce_add``), then a view per
 parameter in its own memory format. Sparse gradients (``nn.Embedding(sparse=True)``)
 are summed as sparse tensors, as DataParallel's reduce does.
 
-:class:`Reducer` is the seam: a reducer that also combines the groups across
-nodes (an all-reduce over ``torch.distributed``) overrides :meth:`Reducer.across`,
-which receives every group's local sum, in a fixed order, before any parameter
-sees a gradient.
+:class:`Reducer` is the seam for a reducer that also combines the groups across
+nodes (:class:`dpool.crossnode.CrossNodeReducer`, an all-reduce over
+``torch.distributed``). It overrides two hooks, both called before any parameter
+sees a gradient: :meth:`Reducer.union` (which parameters have a gradient anywhere)
+and :meth:`Reducer.combine` (the sum of each such group, made here and combined there).
 """
 from __future__ import annotations
 
@@ -40,12 +41,14 @@ class Reducer:
         self.strides = list(strides)
         self.device = device
 
-    def reduce(self, slots: Sequence[Sequence[torch.Tensor]], used: Sequence[bytes]) -> list[torch.Tensor | None]:
+    def reduce(self, slots: Sequence[Sequence[torch.Tensor]], used: Sequence[bytes], at: int = -1
+               ) -> list[torch.Tensor | None]:
         """The master's gradients, summed over shards.
 
         Args:
             slots: per shard that ran, its gradient slot's view of each dtype group.
             used: per shard, one byte per parameter: 1 where the shard produced a gradient.
+            at: which training forward the backward belongs to (checked across nodes).
 
         Returns:
             one gradient per parameter; ``None`` for a parameter no shard produced a gradient for.
@@ -55,8 +58,9 @@ class Reducer:
             for i, b in enumerate(m):
                 if b == 1:
                     mask[i] = 1
+        mask = self.union(mask, at)
         groups = [g for g, (_, _, _, idxs) in enumerate(self.layout.param_groups) if any(mask[i] for i in idxs)]
-        totals = self.across([self._sum([s[g] for s in slots]) for g in groups], groups)
+        totals = self.combine(slots, groups)
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         for g, total in zip(groups, totals):
             _, start, _, idxs = self.layout.param_groups[g]
@@ -76,14 +80,19 @@ class Reducer:
             total.add_(v)
         return total
 
-    def across(self, totals: list[torch.Tensor], groups: list[int]) -> list[torch.Tensor]:
-        """Combine this process's group sums with other processes' (none here: returned as they are).
+    def union(self, mask: bytearray, at: int) -> bytearray:
+        """Which parameters have a gradient (1) anywhere: here, the shards of this process only.
 
         Args:
-            totals: the local sum of each group in ``groups``, to be combined in place or replaced.
-            groups: the indices (into ``layout.param_groups``) of the groups that have gradients.
+            mask: one byte per parameter, 1 where a local shard produced a gradient.
+            at: which training forward the backward belongs to.
         """
-        return totals
+        return mask
+
+    def combine(self, slots: Sequence[Sequence[torch.Tensor]], groups: list[int]) -> list[torch.Tensor]:
+        """The gradient of each group in ``groups`` (indices into ``layout.param_groups``): here, the
+        sum over this process's shards. A cross-node reducer also combines it with the other nodes'."""
+        return [self._sum([s[g] for s in slots]) for g in groups]
 
 
 def sum_sparse(grads: list[torch.Tensor | None], parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]],

@@ -142,18 +142,22 @@ def test_reducer_sums_slots_per_dtype_group_in_each_parameters_memory_format():
     assert all(out[i].data_ptr() != slots[0][0].data_ptr() for i in range(3))  # new memory: slots are reused
 
 
-def test_reducer_across_sees_every_group_before_any_gradient():
+def test_reducer_hooks_see_every_group_before_any_gradient():
     params = [torch.zeros(4), torch.zeros(2, dtype=torch.float64)]
     layout, slots, grads = _slots(params, 2, 1)
     seen = []
 
-    class Doubling(Reducer):  # what a cross-node reducer does: combine the local sums, then hand them back
-        def across(self, totals, groups):
-            seen.append(list(groups))
-            return [t * 2 for t in totals]
+    class Doubling(Reducer):  # what a cross-node reducer does: widen the mask, combine the local sums
+        def union(self, mask, at):
+            seen.append(("union", bytes(mask), at))
+            return bytearray(b"\x01\x01")  # parameter 1 has a gradient on another node
 
-    out = Doubling(layout, params, [None, None], torch.device("cpu")).reduce(slots, [b"\x01\x01"] * 2)
-    assert seen == [[0, 1]]
+        def combine(self, slots, groups):
+            seen.append(("combine", list(groups)))
+            return [t * 2 for t in super().combine(slots, groups)]
+
+    out = Doubling(layout, params, [None, None], torch.device("cpu")).reduce(slots, [b"\x01\x00"] * 2, at=7)
+    assert seen == [("union", b"\x01\x00", 7), ("combine", [0, 1])]
     torch.testing.assert_close(out[0], 2 * (grads[0][0] + grads[1][0]))
     torch.testing.assert_close(out[1], 2 * (grads[0][1] + grads[1][1]))
 

@@ -1,0 +1,324 @@
+"""Cross-node mode: the other nodes' coordinators are alive, and every wait for them is bounded.
+
+gloo cannot abort an operation, waits 30 minutes by default for a peer that stopped, and a
+process that caught a gloo error can block in its teardown or abort with SIGABRT (exit code
+134) when it exits. dpool bounds all of it, with four things kept here:
+
+* **Heartbeats.** A daemon thread adds 1 to ``<ns>/hb/<rank>`` in the process group's store
+  every ``peer_heartbeat_s`` and reads every other rank's counter. A counter that has not moved
+  for ``peer_heartbeat_timeout_s`` of *local* monotonic time names a frozen rank (no clock sync).
+  A rank is only judged once its counter has moved at all, so a rank still starting is judged
+  by ``peer_timeout_s`` alone.
+* **The abort key.** The first rank that fails writes ``<ns>/abort`` (who it is, what failed).
+  Every other rank reads it within one heartbeat tick, so ranks that are not the dead rank's
+  ring neighbours fail fast too, and a local failure is reported on every node with its cause.
+* **Bounded waits.** :meth:`Peers.wait` polls a collective's work object instead of blocking in
+  it. It raises :class:`~dpool.errors.PeerLostError` for a closed connection or an abort key, and
+  :class:`~dpool.errors.PeerTimeoutError` for silence or ``peer_timeout_s``. A lost rank is named:
+  the abort key, the ranks' own ``gone`` keys, a dead pid on this host, or a stopped heartbeat.
+* **The exit guard.** After a cross-node failure a gloo operation may still be pending, and
+  its destructor is what blocks or aborts at exit. :func:`arm_exit_guard` registers an ``atexit``
+  handler that closes dpool's pools (reaping their workers), flushes stdio and ends the process
+  with ``os._exit``: the code of an uncaught exception (1), or the one given to ``sys.exit``.
+  ``torchrun`` can then restart the job.
+
+Lifecycle: ``start()`` at ``wrap()`` (before the first collective), ``wait()`` around every
+collective, ``fail()`` on the first error (publishes the abort key, arms the exit guard),
+``stop()`` at ``close()`` (writes this rank's ``gone`` key, stops the thread).
+
+Keys live under a namespace per wrap (group name, torchrun restart count, wrap number), so an
+agent store that outlives a restarted job never shows a new job the old one's abort key.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import psutil
+
+from .errors import PeerLostError, PeerTimeoutError
+
+__all__ = ["Peer", "Peers", "arm_exit_guard"]
+
+log = logging.getLogger("dpool")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where another node's coordinator runs (exchanged at ``wrap()``)."""
+
+    rank: int
+    host: str
+    pid: int
+
+    def where(self) -> str:
+        return f"rank {self.rank} ({self.host}, pid {self.pid})"
+
+
+class Peers:
+    """Heartbeats, the abort key and bounded waits for one cross-node group.
+
+    Args:
+        store: the process group's store (``torch.distributed.Store``).
+        namespace: prefix of this wrap's keys.
+        rank: this coordinator's rank; size: the number of ranks.
+        interval_s: heartbeat period; silence_s: heartbeat timeout; timeout_s: bound on one wait.
+    """
+
+    def __init__(self, store: Any, namespace: str, rank: int, size: int, interval_s: float, silence_s: float,
+                 timeout_s: float) -> None:
+        self.store = store
+        self.ns = namespace
+        self.rank = rank
+        self.size = size
+        self.interval_s = interval_s
+        self.silence_s = silence_s
+        self.timeout_s = timeout_s
+        self.me = Peer(rank, socket.gethostname(), os.getpid())
+        self.peers: list[Peer] = [Peer(r, "?", -1) for r in range(size)]
+        self.peers[rank] = self.me
+        now = time.monotonic()
+        self._seen: dict[int, tuple[int, float]] = {r: (0, now) for r in range(size) if r != rank}
+        self._tick_at = now
+        self._abort: str | None = None
+        self._store_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failed = False
+
+    # ------------------------------------------------------------------ heartbeat thread
+    def start(self) -> None:
+        self._beat_once()  # this rank's counter moves before its first collective
+        _install_hooks()
+        _LIVE.add(self)
+        self._thread = threading.Thread(target=self._run, name="dpool-peers", daemon=True)
+        self._thread.start()
+
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.ns, *map(str, parts)])
+
+    def _beat_once(self) -> None:
+        store = self.store
+        store.add(self._key("hb", self.rank), 1)
+        now = time.monotonic()
+        for r, (old, _) in list(self._seen.items()):
+            v = int(store.add(self._key("hb", r), 0))
+            if v != old:
+                self._seen[r] = (v, now)
+        if self._abort is None and store.check([self._key("abort")]):
+            self._abort = store.get(self._key("abort")).decode(errors="replace")
+        self._tick_at = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat_once()
+            except Exception as exc:  # the store is gone (its host died) or refused: a peer-loss signal
+                self._store_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                return
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the store answered within the heartbeat timeout (main-thread store calls are safe)."""
+        return self._store_error is None and time.monotonic() - self._tick_at < self.silence_s
+
+    # ------------------------------------------------------------------ checks and waits
+    def check(self, doing: str, step: int) -> None:
+        """Raise if a peer aborted, the store is lost, or a started peer went silent."""
+        if self._abort is not None:
+            raise self._aborted(doing, step)
+        if self._store_error is not None:
+            raise PeerLostError(
+                f"the process group's store stopped answering ({self._store_error}) while this rank "
+                f"({self.me.where()}) was {doing} at step {step}: the rank that hosts it (with "
+                f"init_method tcp:// or env://, {self.peers[0].where()}) is probably gone. {_AFTER}",
+                rank=0, host=self.peers[0].host, pid=self.peers[0].pid, step=step)
+        now = time.monotonic()
+        if now - self._tick_at > self.silence_s:
+            raise PeerTimeoutError(
+                f"the process group's store has not answered for {now - self._tick_at:.1f} s while this rank "
+                f"({self.me.where()}) was {doing} at step {step}; the rank that hosts it "
+                f"({self.peers[0].where()} under init_method tcp:// or env://) may be frozen. {_AFTER}",
+                rank=0, host=self.peers[0].host, pid=self.peers[0].pid, step=step)
+        for r, (v, t) in self._seen.items():
+            if v > 0 and now - t > self.silence_s:
+                p = self.peers[r]
+                raise PeerTimeoutError(
+                    f"{p.where()} has sent no heartbeat for {now - t:.1f} s (peer_heartbeat_timeout_s="
+                    f"{self.silence_s:g}) while this rank ({self.me.where()}) was {doing} at step {step}: it is "
+                    f"frozen (stopped, or stuck holding the GIL). {_AFTER}",
+                    rank=r, host=p.host, pid=p.pid, step=step)
+
+    def wait(self, work: Any, doing: str, step: int) -> None:
+        """Wait for a collective's ``work`` with every liveness check; raise a peer error instead of hanging."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 5e-5
+        while not work.is_completed():
+            self.check(doing, step)
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(
+                    f"a collective between the nodes took longer than peer_timeout_s={self.timeout_s:g} s while "
+                    f"this rank ({self.me.where()}) was {doing} at step {step}; every rank still beats, so one "
+                    f"of them is stuck outside dpool (or waits in another collective). {_AFTER}", step=step)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        try:
+            work.wait()
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", "Connection reset", ...
+            raise self._lost(str(exc), doing, step) from None
+
+    def _aborted(self, doing: str, step: int) -> PeerLostError:
+        text = self._abort or ""
+        origin, _, cause = text.partition("\n")
+        r = int(origin) if origin.lstrip("-").isdigit() else -1
+        p = self.peers[r] if 0 <= r < self.size else Peer(r, "", -1)
+        return PeerLostError(
+            f"{p.where()} aborted the job: {cause}\n(this rank, {self.me.where()}, was {doing} at step {step}.) "
+            f"{_AFTER}", rank=r, host=p.host, pid=p.pid, step=step)
+
+    def _lost(self, gloo: str, doing: str, step: int) -> PeerLostError:
+        """Name the rank behind a failed collective: abort key, gone keys, dead pids here, stopped heartbeats."""
+        first = gloo.strip().splitlines()[0] if gloo.strip() else "connection lost"
+        deadline = time.monotonic() + 2 * self.interval_s + 0.2  # let the abort key of the failing rank land
+        while True:
+            if self._abort is not None:
+                return self._aborted(doing, step)
+            culprit, how = self._find_culprit()
+            if culprit is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if culprit is None:
+            return PeerLostError(
+                f"a collective between the nodes failed while this rank ({self.me.where()}) was {doing} at step "
+                f"{step}: another rank closed its connection (gloo: {first}). {_AFTER}", step=step)
+        p = self.peers[culprit]
+        return PeerLostError(
+            f"{p.where()} {how} while this rank ({self.me.where()}) was {doing} at step {step} (gloo: {first}). "
+            f"{_AFTER}", rank=culprit, host=p.host, pid=p.pid, step=step)
+
+    def _find_culprit(self) -> tuple[int | None, str]:
+        if self.healthy:
+            try:
+                for p in self.peers:
+                    if p.rank != self.rank and self.store.check([self._key("gone", p.rank)]):
+                        why = self.store.get(self._key("gone", p.rank)).decode(errors="replace")
+                        return p.rank, why
+            except Exception:
+                pass
+        for p in self.peers:
+            if p.rank != self.rank and p.host == self.me.host and p.pid > 0 and not _alive(p.pid):
+                return p.rank, "died (its process is gone)"
+        now = time.monotonic()
+        for r, (v, t) in self._seen.items():
+            if v > 0 and now - t > 3 * self.interval_s:
+                return r, f"stopped its heartbeat {now - t:.1f} s ago (it died or froze)"
+        return None, ""
+
+    # ------------------------------------------------------------------ failure and shutdown
+    def fail(self, exc: BaseException, step: int) -> None:
+        """This rank failed: tell every other rank at once (unless it only echoes another's abort)."""
+        self.failed = True
+        if isinstance(exc, PeerLostError) and self._abort is not None:
+            return  # another rank's abort: already published
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        self.publish(f"{type(exc).__name__} at step {step}: {text}")
+
+    def publish(self, cause: str) -> None:
+        """Write the abort key (first writer wins; skipped when the store is unreachable)."""
+        if not self.healthy:
+            return
+        try:
+            key = self._key("abort")
+            if not self.store.check([key]):
+                self.store.set(key, f"{self.rank}\n{cause}")
+        except Exception as exc:
+            log.debug("could not publish the abort key: %s", exc)
+
+    def stop(self, why: str = "closed its dpool model") -> None:
+        """End the heartbeat; leave a ``gone`` note so a rank still waiting names this one."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        _LIVE.discard(self)
+        if self.healthy and not self.failed:
+            try:
+                self.store.set(self._key("gone", self.rank), why)
+            except Exception:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+_AFTER = ("This rank's workers are stopped and its master module and optimizer are unchanged; the process "
+          "exits when the script ends (torchrun can restart the job from your last checkpoint).")
+
+
+# ---------------------------------------------------------------------- process hooks
+# _LIVE: the groups of this process's open cross-node models. _GUARD: the exit guard's state; its
+# "code" is the exit code the script would have had (recorded by the two hooks below).
+_LIVE: "weakref.WeakSet[Peers]" = weakref.WeakSet()
+_GUARD: dict[str, Any] = {"hooked": False, "armed": False, "code": 0, "closers": []}
+
+
+def _install_hooks() -> None:
+    """Once per process: an uncaught exception publishes the abort key of every open group (so the
+    other nodes name this rank's error instead of a closed connection) and sets the exit code 1;
+    ``sys.exit(code)`` records its code for the exit guard."""
+    if _GUARD["hooked"]:
+        return
+    _GUARD["hooked"] = True
+    hook = sys.excepthook
+
+    def excepthook(tp: Any, value: Any, tb: Any) -> None:
+        _GUARD["code"] = 1
+        for peers in list(_LIVE):
+            if not peers.failed:
+                text = str(value).strip().splitlines()[0] if str(value).strip() else ""
+                peers.publish(f"its script raised {tp.__name__}: {text}")
+        hook(tp, value, tb)
+
+    sys.excepthook = excepthook
+    real_exit = sys.exit
+
+    def exit(code: Any = None) -> Any:
+        _GUARD["code"] = 0 if code is None else code if isinstance(code, int) else 1
+        return real_exit(code)
+
+    sys.exit = exit
+
+
+def arm_exit_guard(closer: Callable[[], None]) -> None:
+    """After a cross-node failure: at exit, run ``closer``, flush stdio and ``os._exit`` past gloo's teardown."""
+    _install_hooks()
+    _GUARD["closers"].append(closer)
+    if not _GUARD["armed"]:
+        _GUARD["armed"] = True
+        atexit.register(_exit_now)
+
+
+def _exit_now() -> None:
+    for closer in _GUARD["closers"]:
+        try:
+            closer()
+        except BaseException as exc:  # exiting anyway: say why the close failed
+            print(f"dpool: closing a pool at exit failed: {exc}", file=sys.stderr)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(_GUARD["code"])

@@ -1,0 +1,253 @@
+"""Cross-node scenarios: each rank is a coordinator process started by tests/test_multinode.py.
+
+``python -m tests.multinode SCENARIO '{"json": "params"}'`` with torchrun's environment variables
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) joins a gloo group on loopback, runs
+the scenario, saves its tensors to ``<out>/rank<R>.pt`` and prints one ``RESULT {json}`` line.
+The test process computes the single-process references itself.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+import torch.nn.functional as F
+
+import dpool
+
+D_IN, D_OUT = 6, 3
+
+
+class Net(nn.Module):
+    """An MLP with BatchNorm, a head used only when asked (``extra``) and a parameter used nowhere."""
+
+    def __init__(self, bn: bool = True, sync_bn: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D_IN, 8)
+        self.bn = (nn.BatchNorm1d(8) if bn else nn.Identity())
+        self.fc2 = nn.Linear(8, D_OUT)
+        self.extra = nn.Linear(D_IN, D_OUT)
+        self.unused = nn.Parameter(torch.ones(2))
+        if sync_bn:
+            dpool.convert_sync_batchnorm(self)
+
+    def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
+        y = self.fc2(torch.relu(self.bn(self.fc1(x))))
+        return y + self.extra(x) if extra else y
+
+
+def make_net(bn: bool = True, sync_bn: bool = False) -> Net:
+    torch.manual_seed(0)
+    return Net(bn, sync_bn).double()
+
+
+def batches(steps: int, global_batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches of a run (every rank makes the same ones and takes its rows)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(global_batch, D_IN, generator=g, dtype=torch.float64),
+             torch.randn(global_batch, D_OUT, generator=g, dtype=torch.float64)) for _ in range(steps)]
+
+
+def rows_of(rank: int, world: int, n: int) -> slice:
+    """This rank's contiguous block of a global batch of ``n`` rows (DistributedSampler's union is contiguous)."""
+    b = n // world
+    return slice(rank * b, (rank + 1) * b)
+
+
+def state(module: nn.Module) -> dict:
+    return {"params": [p.detach().clone() for p in module.parameters()],
+            "grads": [None if p.grad is None else p.grad.clone() for p in module.parameters()],
+            "buffers": [b.clone() for b in module.buffers()]}
+
+
+# ---------------------------------------------------------------------------- scenarios
+def vs_ddp(rank: int, world: int, p: dict) -> dict:
+    """K=1 per node against DDP with the same ranks, same data: bitwise; eval and no_grad issue no collectives."""
+    steps, B = p.get("steps", 5), 8
+    data = batches(steps, B)
+    ref = make_net()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(ref), find_unused_parameters=True)  # broadcasts rank 0's state, as wrap() does
+    net = make_net()
+    if rank == 1:  # different parameters at wrap(): wrap() takes rank 0's
+        with torch.no_grad():
+            for q in net.parameters():
+                q.add_(1.0)
+    model = dpool.wrap(net, device_ids=["cpu"], worker_threads=1)
+    out = {"rank": model.rank, "world_size": model.world_size, "is_main": model.is_main}
+    opt_d = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    opt_m = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        sl = rows_of(rank, world, B)
+        for m, o in ((ddp, opt_d), (model, opt_m)):
+            o.zero_grad()
+            F.mse_loss(m(x[sl]), y[sl]).backward()
+            o.step()
+    torch.save({"ddp": state(ddp.module), "dpool": state(net)}, p["file"])
+    nodes = model._nodes
+    before = nodes.collectives
+    model.eval()
+    model(data[0][0][sl])
+    model.train()
+    with torch.no_grad():
+        model(data[0][0][sl])
+    out["eval_collectives"] = nodes.collectives - before
+    model.close()
+    return out
+
+
+def union(rank: int, world: int, p: dict) -> dict:
+    """K_n workers per node, trained on the rank's rows; the test compares with one process on the union batch."""
+    steps, B = p.get("steps", 4), 12
+    net = make_net(sync_bn=p.get("sync_bn", False))
+    model = dpool.wrap(net, device_ids=["cpu"] * p["workers"][rank], worker_threads=1, buffers=p["buffers"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches(steps, B):
+        sl = rows_of(rank, world, B)
+        opt.zero_grad()
+        F.mse_loss(model(x[sl]), y[sl]).backward()
+        opt.step()
+    if p.get("head", True):  # a head used on rank 0 only: averaged with rank 1's zeros; `unused`: no gradient anywhere
+        x, y = batches(1, B, seed=7)[0]
+        opt.zero_grad()
+        F.mse_loss(model(x[sl], extra=rank == 0), y[sl]).backward()
+    torch.save(state(net), p["file"])
+    model.close()
+    return {}
+
+
+def accumulate(rank: int, world: int, p: dict) -> dict:
+    """no_sync over micro-batches, then one synced backward; then checkpoint on rank 0, close, resume."""
+    B, micro = 8, 3
+    net = make_net(bn=False)
+    model = dpool.wrap(net, device_ids=["cpu"] * p["workers"], worker_threads=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = batches(micro + 1, B)
+    sl = rows_of(rank, world, B)
+    nodes = model._nodes
+    before = nodes.collectives
+    with model.no_sync():
+        for x, y in data[:micro]:
+            F.mse_loss(model(x[sl]), y[sl]).backward()
+    inside = nodes.collectives - before
+    grads_inside = [q.grad for q in net.parameters()]
+    x, y = data[micro]
+    F.mse_loss(model(x[sl]), y[sl]).backward()
+    accumulated = state(net)
+    opt.step()
+    # checkpoint: rank 0 saves, everyone stops; resume from it (loaded on every rank) and go on
+    steps = batches(4, B, seed=3)
+    for x, y in steps[:2]:
+        opt.zero_grad()
+        F.mse_loss(model(x[sl]), y[sl]).backward()
+        opt.step()
+    ckpt = os.path.join(p["out"], "checkpoint.pt")
+    if model.is_main:
+        torch.save({"model": dpool.unwrap(model).state_dict(), "opt": opt.state_dict()}, ckpt + ".tmp")
+        os.replace(ckpt + ".tmp", ckpt)
+    dist.barrier()
+    model.close()
+    resumed = make_net(bn=False)
+    saved = torch.load(ckpt)
+    if rank == 0:  # rank 0 alone loads the parameters: wrap() broadcasts them
+        resumed.load_state_dict(saved["model"])
+    model2 = dpool.wrap(resumed, device_ids=["cpu"] * p["workers"], worker_threads=1)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    opt2.load_state_dict(saved["opt"])  # every rank loads the optimizer state
+    for x, y in steps[2:]:
+        opt2.zero_grad()
+        F.mse_loss(model2(x[sl]), y[sl]).backward()
+        opt2.step()
+    dist.barrier()
+    torch.save({"accumulated": accumulated, "grads_inside": grads_inside, "resumed": state(resumed)}, p["file"])
+    model2.close()
+    return {"inside": inside}
+
+
+def fault(rank: int, world: int, p: dict) -> dict:
+    """One rank misbehaves at step 3; every rank reports what it raised, when, and whether its master moved."""
+    from tests.helpers import assert_unchanged, snapshot
+
+    kind, victim, before = p["kind"], p.get("victim", 1), p.get("where") == "before"
+    B = 4 * world
+    net = make_net(bn=False)
+    model = dpool.wrap(net, device_ids=["cpu"], worker_threads=1, max_restarts=0,
+                       peer_heartbeat_s=0.2, peer_heartbeat_timeout_s=p.get("silence", 3.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sl = rows_of(rank, world, B)
+    pids = model.pids
+    print("PIDS " + json.dumps(pids), flush=True)
+    snap = None
+    try:
+        for step, (x, y) in enumerate(batches(6, B)):
+            opt.zero_grad()
+            snap = snapshot(net, opt)  # what a failure in this step must leave
+            misbehave = step == 3 and rank == victim
+            if misbehave and before:
+                _misbehave(kind, pids)
+            loss = F.mse_loss(model(x[sl]), y[sl])
+            if misbehave and not before:
+                _misbehave(kind, pids)
+                if kind == "desync":  # an extra backward on this rank only
+                    loss.backward(retain_graph=True)
+            loss.backward()
+            opt.step()
+        raise AssertionError("no error")
+    except dpool.DpoolError as exc:
+        took = time.time()
+        unchanged: bool | str = True
+        try:
+            assert_unchanged(snap, snapshot(net, opt))
+        except AssertionError as e:
+            unchanged = str(e)
+        result = {"error": type(exc).__name__, "message": str(exc), "lost_rank": getattr(exc, "rank", None),
+                  "pid": getattr(exc, "pid", None), "at": took, "unchanged": unchanged, "pids": pids,
+                  "workers_alive": [q for q in pids if _alive(q)]}
+        print("RESULT " + json.dumps(result), flush=True)
+        print(f"EXITING {time.time()}", flush=True)
+        raise  # the script ends with the error: the exit guard must end it promptly, without SIGABRT
+
+
+def _misbehave(kind: str, pids: list[int]) -> None:
+    print(f"T0 {time.time()}", flush=True)
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "exit":
+        os._exit(7)
+    elif kind == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "worker":
+        os.kill(pids[0], signal.SIGKILL)
+        time.sleep(0.5)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+SCENARIOS = {"vs_ddp": vs_ddp, "union": union, "accumulate": accumulate, "fault": fault}
+
+
+def main() -> None:
+    name, params = sys.argv[1], json.loads(sys.argv[2])
+    torch.set_num_threads(1)  # BLAS results can depend on the thread count: DDP and the workers use one
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    params["file"] = os.path.join(params["out"], f"rank{rank}.pt")
+    result = SCENARIOS[name](rank, world, params)
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

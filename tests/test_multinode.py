@@ -1,0 +1,299 @@
+"""Cross-node mode: coordinators on loopback gloo, one process per "node", started with torchrun's
+environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as tests/multinode.py describes.
+
+The equivalence runs are compared with DDP (bitwise) and with a single process on the union batch,
+computed here. The fault rows check the error type, who it names, how long it took, the survivor's
+exit code (never 134, never a hang), that its master is unchanged and that its workers are reaped.
+All runs of a module start at once, so the 2-core machine overlaps their start-up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import wait_for
+from tests.helpers import ROOT
+from tests.multinode import batches, make_net, rows_of
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """N coordinator processes of one scenario."""
+
+    def __init__(self, scenario: str, world: int, **params) -> None:
+        self.out = tempfile.mkdtemp(prefix="dpool-mn-")
+        params["out"] = self.out
+        port = _free_port()
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), PYTHONFAULTHANDLER="1")
+        env.pop("LOCAL_WORLD_SIZE", None)
+        self.procs = [subprocess.Popen([sys.executable, "-m", "tests.multinode", scenario, json.dumps(params)],
+                                       cwd=ROOT, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True) for r in range(world)]
+        self.ended: list[float | None] = [None] * world
+        self.codes: list[int | None] = [None] * world
+        self.outs: list[str] = [""] * world
+        self.errs: list[str] = [""] * world
+
+    def finish(self, timeout: float = 100.0, kill_after: dict[int, float] | None = None) -> "Run":
+        """Wait for every rank (recording when each ended); ranks in ``kill_after`` are SIGKILLed that many
+        seconds after all the others ended (a SIGSTOPped rank)."""
+        deadline = time.monotonic() + timeout
+        kill_after = kill_after or {}
+        while any(e is None for e in self.ended):
+            for r, p in enumerate(self.procs):
+                if self.ended[r] is None and p.poll() is not None:
+                    self.ended[r] = time.time()
+            others = [e for r, e in enumerate(self.ended) if r not in kill_after]
+            if others and all(e is not None for e in others):
+                for r, delay in kill_after.items():
+                    if self.ended[r] is None and time.time() > max(others) + delay:  # type: ignore[type-var]
+                        self.procs[r].kill()
+            if time.monotonic() > deadline:
+                for p in self.procs:
+                    p.kill()
+            time.sleep(0.01)
+        for r, p in enumerate(self.procs):
+            self.outs[r], self.errs[r] = p.communicate()
+            self.codes[r] = p.returncode
+        return self
+
+    def result(self, r: int) -> dict:
+        lines = [ln for ln in self.outs[r].splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"rank {r} printed no result (exit {self.codes[r]}):\n{self.outs[r]}\n{self.errs[r]}"
+        return json.loads(lines[-1][len("RESULT "):])
+
+    def stamp(self, r: int, tag: str) -> float | None:
+        lines = [ln for ln in self.outs[r].splitlines() if ln.startswith(tag + " ")]
+        return float(lines[-1].split()[1]) if lines else None
+
+    def tensors(self, r: int) -> dict:
+        return torch.load(os.path.join(self.out, f"rank{r}.pt"))
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.out, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every equivalence scenario at once."""
+    started = {
+        "ddp": Run("vs_ddp", 2),
+        "syncbn_2x2": Run("union", 2, workers=[2, 2], buffers="first", sync_bn=True),
+        "syncbn_1x2": Run("union", 2, workers=[1, 2], buffers="average", sync_bn=True),
+        "bn_sync_2x2": Run("union", 2, workers=[2, 2], buffers="sync", steps=1, head=False),
+        "accumulate": Run("accumulate", 2, workers=2),
+    }
+    for run in started.values():
+        run.finish(timeout=150)
+    yield started
+    for run in started.values():
+        run.cleanup()
+
+
+def _ok(run: Run) -> None:
+    for r, code in enumerate(run.codes):
+        assert code == 0, f"rank {r} exited {code}:\n{run.outs[r]}\n{run.errs[r]}"
+
+
+def _same(a, b, exact: bool = False) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None), (x, y)
+        if x is not None:
+            if exact:
+                assert torch.equal(x, y), (x - y).abs().max()
+            else:
+                torch.testing.assert_close(x, y)
+
+
+def test_one_worker_per_node_equals_ddp_bitwise(runs):
+    run = runs["ddp"]
+    _ok(run)
+    r0, r1 = run.result(0), run.result(1)
+    assert (r0["rank"], r0["world_size"], r0["is_main"]) == (0, 2, True)
+    assert (r1["rank"], r1["is_main"]) == (1, False)
+    t0, t1 = run.tensors(0), run.tensors(1)
+    for t in (t0, t1):
+        _same(t["dpool"]["params"], t["ddp"]["params"], exact=True)  # rank 1 started from other parameters
+        _same(t["dpool"]["grads"], t["ddp"]["grads"], exact=True)
+    # buffers="first" is DDP's broadcast_buffers: each rank holds its own last update until the next forward
+    _same(t0["dpool"]["buffers"], t0["ddp"]["buffers"], exact=True)
+    _same(t1["dpool"]["buffers"], t1["ddp"]["buffers"], exact=True)
+    _same(t0["dpool"]["params"], t1["dpool"]["params"], exact=True)  # ranks stay identical
+
+
+def test_eval_and_no_grad_forwards_issue_no_collectives(runs):
+    run = runs["ddp"]
+    _ok(run)
+    assert run.result(0)["eval_collectives"] == 0 and run.result(1)["eval_collectives"] == 0
+
+
+def _reference(steps: int, B: int = 12) -> dict:
+    """One process on the union batch: plain BatchNorm over all rows, mean loss; then the half-used head."""
+    from tests.multinode import state
+
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches(steps, B):
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    x, y = batches(1, B, seed=7)[0]
+    opt.zero_grad()
+    rows0 = rows_of(0, 2, B)
+    out = net(x)
+    out = torch.cat([out[rows0] + net.extra(x[rows0]), out[rows0.stop:]])  # the head only on rank 0's rows
+    F.mse_loss(out, y).backward()
+    return state(net)
+
+
+@pytest.mark.parametrize("name", ["syncbn_2x2", "syncbn_1x2"])
+def test_nodes_train_like_one_process_on_the_union_batch(runs, name):
+    """2 nodes x 2 workers, and nodes of 1 and 2 workers, with SyncBatchNorm spanning every worker of
+    every node: parameters, gradients (a head used on one node only, a parameter used nowhere) and
+    buffers equal one process with BatchNorm over the union batch."""
+    run = runs[name]
+    _ok(run)
+    ref = _reference(4)
+    t0, t1 = run.tensors(0), run.tensors(1)
+    for t in (t0, t1):
+        _same(t["params"], ref["params"])
+        _same(t["grads"], ref["grads"])  # `extra`: averaged with zeros; `unused`: None everywhere
+        _same(t["buffers"], ref["buffers"])
+    _same(t0["params"], t1["params"], exact=True)
+    _same(t0["grads"], t1["grads"], exact=True)
+    assert t0["grads"][0] is None  # `unused`
+
+
+def test_buffer_policy_sync_is_global(runs):
+    """buffers="sync" with plain BatchNorm: after a training step, every node's running statistics are
+    those of one BatchNorm over the union batch (4 shards on 2 nodes)."""
+    run = runs["bn_sync_2x2"]
+    _ok(run)
+    net = make_net()
+    x, _ = batches(1, 12)[0]
+    net.bn(net.fc1(x))  # train mode: the running statistics of the union batch
+    for r in (0, 1):
+        t = run.tensors(r)
+        _same(t["buffers"], [b for b in net.buffers()])
+
+
+def test_no_sync_accumulates_then_averages_once(runs):
+    run = runs["accumulate"]
+    _ok(run)
+    from tests.multinode import state
+
+    net = make_net(bn=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches(4, 8):
+        F.mse_loss(net(x), y).backward()
+    accumulated = state(net)
+    opt.step()
+    for x, y in batches(4, 8, seed=3):
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    for r in (0, 1):
+        assert run.result(r)["inside"] == 0  # no collective inside no_sync()
+        t = run.tensors(r)
+        assert all(g is None for g in t["grads_inside"])  # the master's .grad waits for the synced backward
+        _same(t["accumulated"]["grads"], accumulated["grads"])
+        # checkpoint on rank 0, close, resume (parameters loaded on rank 0 only): as if never stopped
+        _same(t["resumed"]["params"], state(net)["params"])
+
+
+# ---------------------------------------------------------------------------- faults
+FAULTS = {  # name: (world, params, ranks that must survive with which error)
+    "sigkill_mid_step": (2, {"kind": "sigkill"}, {0: "PeerLostError"}),
+    "exit_between_steps": (2, {"kind": "exit", "where": "before"}, {0: "PeerLostError"}),
+    "sigstop": (2, {"kind": "sigstop"}, {0: "PeerTimeoutError"}),
+    "desync": (2, {"kind": "desync"}, {0: "CollectiveDesyncError", 1: "CollectiveDesyncError"}),
+    "worker_killed": (2, {"kind": "worker"}, {0: "PeerLostError", 1: "WorkerDiedError"}),
+    "sigkill_of_3": (3, {"kind": "sigkill", "victim": 1}, {0: "PeerLostError", 2: "PeerLostError"}),
+}
+
+
+@pytest.fixture(scope="module")
+def faults():
+    done = {}
+    for batch in (["sigkill_mid_step", "exit_between_steps", "sigstop"], ["desync", "worker_killed", "sigkill_of_3"]):
+        started = {n: Run("fault", FAULTS[n][0], **FAULTS[n][1]) for n in batch}
+        for n, run in started.items():
+            run.finish(timeout=90, kill_after={1: 2.0} if n == "sigstop" else None)
+        done.update(started)
+    yield done
+    for run in done.values():
+        run.cleanup()
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_peer_faults_end_every_survivor_promptly(faults, name):
+    run = faults[name]
+    world, params, expect = FAULTS[name]
+    victim = params.get("victim", 1)
+    t0 = next(run.stamp(r, "T0") for r in range(world) if run.stamp(r, "T0") is not None)
+    for r, error in expect.items():
+        res = run.result(r)
+        assert res["error"] == error, res["message"]
+        took = res["at"] - t0
+        exit_s = run.ended[r] - run.stamp(r, "EXITING")
+        print(f"{name}: rank {r} raised {error} {took:.2f} s after the fault, exited {exit_s:.2f} s later "
+              f"with code {run.codes[r]}")
+        assert run.codes[r] == 1, f"exit code {run.codes[r]} (134 = gloo's SIGABRT at teardown)\n{run.errs[r]}"
+        assert took < 10 and exit_s < 5, (took, exit_s)  # bounds against 30-minute hangs, not a benchmark
+        assert res["workers_alive"] == [], "the survivor's workers must be reaped when it raises"
+        if r != victim or name == "desync" and r == 0:
+            assert res["unchanged"] is True, res["unchanged"]
+        if error == "PeerLostError" or error == "PeerTimeoutError":
+            assert res["lost_rank"] == victim, res["message"]
+            assert f"rank {victim} (" in res["message"] and "pid" in res["message"]
+    if name == "worker_killed":
+        assert "WorkerDiedError" in run.result(0)["message"] and "SIGKILL" in run.result(0)["message"]
+    if name == "sigstop":
+        assert "heartbeat" in run.result(0)["message"]
+    if name == "desync":
+        assert "out of step" in run.result(0)["message"]
+    pids = [p for r in range(world) for p in _pids(run, r)]
+    assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=15), "leaked worker processes"
+
+
+def _pids(run: Run, r: int) -> list[int]:
+    lines = [ln for ln in run.outs[r].splitlines() if ln.startswith("PIDS ")]
+    return json.loads(lines[-1][5:]) if lines else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def test_example_under_torchrun_matches_one_process():
+    """The example, through the real launcher: the printed losses equal a single process on the global batch."""
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", "examples/train_multinode.py",
+                          "--steps", "3", "--check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "same losses as one process on the global batch" in res.stdout, res.stdout
+
