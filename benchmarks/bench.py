@@ -22,6 +22,9 @@ Setups, on N = --workers:
            cores / N threads and no communication at all: what this machine gives
            N concurrent shards (memory bandwidth and shared caches included).
            Not one of the issue's five setups; a diagnostic for reading `ideal`
+  nodes    dpool's cross-node mode: N coordinators on loopback gloo (one "node" each),
+           one worker per node, global batch / N each: the same process count as `ddp`
+           (not in the default set: `--setups nodes,ddp,dpool` compares the three)
 
 Results go to --out as JSON and a PNG chart; the Markdown table is printed.
 """
@@ -88,17 +91,23 @@ class Local:
             self.model.close()
 
 
-def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, ddp: bool = True) -> None:
-    """One DDP rank (or, with ``ddp=False``, one independent trainer of the ``ceiling`` setup)."""
+def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str = "ddp") -> None:
+    """One rank of ``ddp``, one independent trainer of ``ceiling``, or one dpool node of ``nodes``."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(max(1, CORES // world))  # torchrun's default too: OMP_NUM_THREADS=1 per rank
+    ddp = mode != "ceiling"  # a process group (and its barriers around each timing)
     if ddp:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     w = WORKLOADS[wname]
     torch.manual_seed(0)
-    model = DDP(w.make()) if ddp else w.make()
+    if mode == "nodes":
+        import dpool
+
+        model = dpool.wrap(w.make(), ["cpu"], worker_threads=max(1, CORES // world))
+    else:
+        model = DDP(w.make()) if ddp else w.make()
     opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
     g = torch.Generator().manual_seed(rank + 1)
     data = [w.batch(w.global_batch // world, g) for _ in range(4)]
@@ -108,18 +117,22 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, ddp: bool
             break
         if ddp:
             dist.barrier()
+        waited = model._nodes.waited_s if mode == "nodes" else 0.0
         elapsed = _steps(model, opt, w, data, steps)
         if ddp:
             dist.barrier()
-        conn.send(elapsed)
+        conn.send((elapsed, (model._nodes.waited_s - waited) if mode == "nodes" else 0.0))
+    if mode == "nodes":
+        model.close()
     if ddp:
         dist.destroy_process_group()
 
 
 class DDPRunner:
-    """``ddp``: N gloo ranks. ``ceiling``: the same N processes, with no process group and no all-reduce."""
+    """``ddp``: N gloo ranks. ``ceiling``: the same N processes, with no process group and no all-reduce.
+    ``nodes``: N dpool coordinators in cross-node mode, one worker each."""
 
-    def __init__(self, w: Workload, workers: int, ddp: bool = True) -> None:
+    def __init__(self, w: Workload, workers: int, mode: str = "ddp") -> None:
         import socket
 
         with socket.socket() as s:
@@ -129,16 +142,19 @@ class DDPRunner:
         self.conns, self.procs = [], []
         for r in range(workers):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_ddp_rank, args=(r, workers, port, w.name, b, ddp), daemon=True)
+            p = ctx.Process(target=_ddp_rank, args=(r, workers, port, w.name, b, mode), daemon=False)
             p.start()
             self.conns.append(a)
             self.procs.append(p)
         self.samples = w.global_batch
+        self.waited: list[float] = []  # nodes: seconds per repeat rank 0 spent waiting in cross-node collectives
 
     def run(self, steps: int) -> float:
         for c in self.conns:
             c.send(steps)
-        return max(c.recv() for c in self.conns)
+        replies = [c.recv() for c in self.conns]
+        self.waited.append(replies[0][1])
+        return max(r[0] for r in replies)
 
     def close(self) -> None:
         for c in self.conns:
@@ -151,8 +167,8 @@ class DDPRunner:
 
 
 def make_runner(setup: str, w: Workload, workers: int) -> Any:
-    if setup in ("ddp", "ceiling"):
-        return DDPRunner(w, workers, ddp=setup == "ddp")
+    if setup in ("ddp", "ceiling", "nodes"):
+        return DDPRunner(w, workers, mode=setup)
     return Local(setup, w, workers)
 
 
@@ -176,6 +192,7 @@ def bench(workloads: list[str], setups: list[str], workers: int, steps: int, war
             for _ in range(repeats):
                 for s in setups:  # interleaved: A B C A B C ...
                     times[s].append(runners[s].run(steps))
+            waited = runners["nodes"].waited[-repeats:] if "nodes" in runners else None
         finally:
             for r in runners.values():
                 r.close()
@@ -194,6 +211,10 @@ def bench(workloads: list[str], setups: list[str], workers: int, steps: int, war
                 entry["framework_ms_per_step"] = (
                     entry["setups"]["dpool"]["ms_per_step"] - entry["setups"]["ideal"]["ms_per_step"]
                 )
+        if waited is not None:  # the cross-node time the step could not hide (rank 0)
+            entry["nodes_exposed_collective_ms_per_step"] = 1000 * statistics.median(waited) / steps
+            if "ddp" in med:
+                entry["ratios"] = {**entry.get("ratios", {}), "nodes/ddp": med["nodes"] / med["ddp"]}
         results["workloads"][wname] = entry
     return results
 
@@ -207,7 +228,11 @@ def table(results: dict) -> str:
         for s in setups:
             d = e["setups"][s]
             cells.append(f"{d['samples_per_s']:.0f} ({d['ms_per_step']:.2f}; {d['ms_per_step_min']:.2f}–{d['ms_per_step_max']:.2f})")
-        ratios = ", ".join(f"{k.split('/')[1]} {v:.2f}×" for k, v in e.get("ratios", {}).items())
+        ratios = ", ".join(f"{k.split('/')[1]} {v:.2f}×" for k, v in e.get("ratios", {}).items()
+                           if k.startswith("dpool/"))
+        if "nodes/ddp" in e.get("ratios", {}):  # cross-node mode against DDP at the same process count
+            ratios += (f"; nodes/ddp {e['ratios']['nodes/ddp']:.2f}×, nodes' exposed cross-node time "
+                       f"{e['nodes_exposed_collective_ms_per_step']:.2f} ms/step")
         if "framework_ms_per_step" in e:
             fw = e["framework_ms_per_step"]
             # dpool − ideal below zero is noise or a workload where dpool beats one shard alone (its

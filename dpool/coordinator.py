@@ -51,6 +51,7 @@ from .reduce import Reducer, sum_sparse
 from .regions import IORegions
 from .replicate import Master
 from .stats import Stats
+from .sync_batchnorm import SyncBatchNorm
 from .sweep import sweep
 from .tensors import DTYPES, Placer, dtype_name, meta_nbytes, nbytes, read
 from .transport.shm import check_free
@@ -163,6 +164,9 @@ class Runtime:
         self._buffers = BufferCommit(self.buffer_policy, self.module, master.buffers, self.layout.buffer_offsets,
                                      master.buffer_views)
         self.reducer: Reducer
+        # cross-node: whether a training forward exchanges anything (buffers, SyncBatchNorm statistics)
+        self._forward_collectives = self.layout.buffer_range is not None or any(
+            isinstance(m, SyncBatchNorm) for m in self.module.modules())
         if self.nodes is not None:
             self.reducer = CrossNodeReducer(self.layout, master.params, master.param_strides, self.device, self.nodes)
         else:
@@ -397,7 +401,8 @@ class Runtime:
         if nodes is not None:  # the nodes agree on where they are; then rank 0's buffers (DDP's broadcast_buffers)
             nodes.step = pool.step
             nodes.fseq += 1
-            nodes.header(FORWARD, nodes.fseq)
+            if self._forward_collectives:  # none for a model without buffers or SyncBatchNorm
+                nodes.header(FORWARD, nodes.fseq)
             if self.buffer_policy == "first" and self.layout.buffer_range is not None:
                 theirs = self._master_buffers.clone()
                 nodes.broadcast(theirs, "taking rank 0's buffers")

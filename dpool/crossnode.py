@@ -126,9 +126,16 @@ class CrossNode:
         self.peers = Peers(_store_of(group), ns, self.rank, self.size, config.peer_heartbeat_s,
                            config.peer_heartbeat_timeout_s, config.peer_timeout_s)
         self.mask_len = 0
+        self._header: torch.Tensor | None = None
+        self._headers: list[torch.Tensor] = []
         if auto and self.rank == 0:
             log.warning("dpool: cross-node mode over the default process group (%d nodes, %s); pass "
                         "process_group=None to stay on one node", self.size, self.backend)
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds spent waiting for cross-node collectives so far (the part of them no work hid)."""
+        return self.peers.waited_s
 
     @property
     def is_main(self) -> bool:
@@ -194,28 +201,40 @@ class CrossNode:
                 off += t.numel()
 
     # ------------------------------------------------------------------ per step
-    def header(self, kind: int, at: int, rows: int = 0, mask: bytes | bytearray = b"") -> bytearray:
+    def header(self, kind: int, at: int, mask: bytes | bytearray = b"") -> bytearray:
         """Agree with every rank on where the job is; return the union of the ``used`` masks.
 
         Raises:
             CollectiveDesyncError: the ranks are at different collectives (on every rank alike).
         """
-        t = torch.zeros(4 + self.mask_len, dtype=torch.int64)
-        t[0], t[1], t[2], t[3] = kind, self.seq, at, rows
+        work, doing = self.start_header(kind, at, mask)
+        self.peers.wait(work, doing, self.step)
+        return self.check_header()
+
+    def start_header(self, kind: int, at: int, mask: bytes | bytearray = b"") -> tuple[Any, str]:
+        """Launch the header's all-gather; :meth:`check_header` reads it once the work completed."""
+        if self._header is None:  # made once: the header's size is fixed by the model
+            self._header = torch.zeros(4 + self.mask_len, dtype=torch.int64, device=self.comm_device)
+            self._headers = [torch.zeros_like(self._header) for _ in range(self.size)]
+        h = self._header
+        h.zero_()
+        h[0], h[1], h[2] = kind, self.seq, at
         if mask:
-            t[4:4 + len(mask)] = torch.frombuffer(bytearray(mask), dtype=torch.uint8)
-        t = t.to(self.comm_device)
-        outs = [torch.empty_like(t) for _ in range(self.size)]
+            h[4:4 + len(mask)].copy_(torch.frombuffer(bytearray(mask), dtype=torch.uint8))
         doing = f"starting {_KINDS[kind]} (collective {self.seq})"
-        self.peers.wait(self.dist.all_gather(outs, t, group=self.group, async_op=True), doing, self.step)
+        work = self.dist.all_gather(self._headers, h, group=self.group, async_op=True)
         self.seq += 1
         self.collectives += 1
-        rows_all = torch.stack(outs).cpu()
+        return work, doing
+
+    def check_header(self) -> bytearray:
+        rows_all = torch.stack(self._headers).cpu()
         where = [tuple(int(v) for v in row[:3]) for row in rows_all]
         if len(set(where)) > 1:
             def say(w: tuple[int, ...]) -> str:
                 k, seq, f = w
-                return f"{_KINDS.get(k, f'kind {k}')} of training forward {f} (collective {seq})"
+                what = f"training forward {f}" if k == FORWARD else f"the backward of training forward {f}"
+                return f"{what} (collective {seq})"
 
             odd = next(r for r, w in enumerate(where) if w != where[0])
             lines = "; ".join(f"rank {r}: {say(w)}" for r, w in enumerate(where))
@@ -246,30 +265,40 @@ class CrossNode:
 
 
 class CrossNodeReducer(Reducer):
-    """:class:`dpool.reduce.Reducer` whose groups are averaged over the nodes (1/N, then SUM all-reduce).
+    """:class:`dpool.reduce.Reducer` whose groups are averaged over the nodes (1/N, then a SUM all-reduce).
 
-    The union of the nodes' ``used`` masks decides which parameters get a gradient: one used on
-    any node gets the average (the nodes that did not use it contribute zeros), one used nowhere
-    stays ``None`` on every node, as with a single process.
+    Every group is combined, whether or not a local shard used it, so that every rank issues the
+    same collectives: the header (with the "used" mask) first, then each group's buckets, each
+    launched as soon as its local sum is made, so the next bucket's sum overlaps it. The union of
+    the masks decides which parameters get a gradient: one used on any node gets the average (the
+    nodes that did not use it contribute zeros), one used nowhere stays ``None`` on every node.
+
+    With two nodes a bucket's SUM is an all-gather and one local add (in rank order, so every rank
+    holds the same bytes, equal to the all-reduce's: a sum of two terms does not depend on their
+    order). The traffic is the same as a ring all-reduce's at N = 2, and gloo's all-gather has a
+    fifth of its all-reduce's latency on loopback (0.4 ms against 2 ms, measured).
     """
 
     def __init__(self, layout: Layout, params: Sequence[torch.Tensor], strides: Sequence[Sequence[int] | None],
                  device: torch.device, nodes: CrossNode) -> None:
         super().__init__(layout, params, strides, device)
         self.nodes = nodes
+        self.groups = [g for g, (_, _, _, idxs) in enumerate(layout.param_groups) if idxs]
+        self._pairs: dict[tuple[int, int], list[torch.Tensor]] = {}  # all-gather outputs, made once per bucket
 
-    def union(self, mask: bytearray, at: int) -> bytearray:
-        return self.nodes.header(BACKWARD, at, 0, mask)
-
-    def combine(self, slots: Sequence[Sequence[torch.Tensor]], groups: list[int]) -> list[torch.Tensor]:
+    def combine(self, slots: Sequence[Sequence[torch.Tensor]], mask: bytearray, at: int
+                ) -> tuple[list[int], list[torch.Tensor], bytearray]:
         nodes = self.nodes
+        dist, group = nodes.dist, nodes.group
+        gather = nodes.size == 2
+        header, doing = nodes.start_header(BACKWARD, at, mask)
         scale = 1.0 / nodes.size
-        works: list[Any] = []
+        works: list[tuple[Any, torch.Tensor, list[torch.Tensor] | None]] = []
         totals = []
-        for g in groups:
+        for g in self.groups:
             views = [s[g].to(self.device) for s in slots]
             total = torch.empty_like(views[0])
-            for a, b in _buckets(views[0].numel(), views[0].element_size()):
+            for bi, (a, b) in enumerate(_buckets(views[0].numel(), views[0].element_size())):
                 out = total[a:b]
                 if len(views) > 1:
                     torch.add(views[0][a:b], views[1][a:b], out=out)
@@ -278,12 +307,22 @@ class CrossNodeReducer(Reducer):
                 else:
                     out.copy_(views[0][a:b])
                 out.mul_(scale)  # DDP's order: 1/N first (no overflow in half precision), then the SUM
-                works.append(nodes.dist.all_reduce(out, group=nodes.group, async_op=True))
+                if gather:
+                    pair = self._pairs.get((g, bi))
+                    if pair is None:
+                        pair = self._pairs[(g, bi)] = [torch.empty_like(out) for _ in range(2)]
+                    works.append((dist.all_gather(pair, out, group=group, async_op=True), out, pair))
+                else:
+                    works.append((dist.all_reduce(out, group=group, async_op=True), out, None))
                 nodes.collectives += 1
             totals.append(total)
-        for w in works:
-            nodes.peers.wait(w, "combining the gradients", nodes.step)
-        return totals
+        nodes.peers.wait(header, doing, nodes.step)
+        union = nodes.check_header()  # out of step: raises before any gradient exists
+        for work, out, pair in works:
+            nodes.peers.wait(work, "combining the gradients", nodes.step)
+            if pair is not None:
+                torch.add(pair[0], pair[1], out=out)
+        return self.groups, totals, union
 
 
 def _buckets(numel: int, elsize: int) -> list[tuple[int, int]]:

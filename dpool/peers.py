@@ -93,6 +93,7 @@ class Peers:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failed = False
+        self.waited_s = 0.0  # time spent waiting for collectives (the cross-node time a step did not hide)
 
     # ------------------------------------------------------------------ heartbeat thread
     def start(self) -> None:
@@ -159,36 +160,46 @@ class Peers:
 
     def wait(self, work: Any, doing: str, step: int) -> None:
         """Wait for a collective's ``work`` with every liveness check; raise a peer error instead of hanging."""
-        deadline = time.monotonic() + self.timeout_s
-        delay = 5e-5
-        while not work.is_completed():
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        done = threading.Event()  # set by gloo's thread when the work completes: no polling latency
+        work.get_future().add_done_callback(lambda _: done.set())
+        while not done.wait(self.interval_s / 4):
             self.check(doing, step)
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(
                     f"a collective between the nodes took longer than peer_timeout_s={self.timeout_s:g} s while "
                     f"this rank ({self.me.where()}) was {doing} at step {step}; every rank still beats, so one "
                     f"of them is stuck outside dpool (or waits in another collective). {_AFTER}", step=step)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
         try:
             work.wait()
         except RuntimeError as exc:  # gloo: "Connection closed by peer", "Connection reset", ...
             raise self._lost(str(exc), doing, step) from None
+        finally:
+            self.waited_s += time.monotonic() - start
 
     def _aborted(self, doing: str, step: int) -> PeerLostError:
-        text = self._abort or ""
-        origin, _, cause = text.partition("\n")
-        r = int(origin) if origin.lstrip("-").isdigit() else -1
+        culprit, reporter, cause = ((self._abort or "").split("\n", 2) + ["", ""])[:3]
+        r = int(culprit) if culprit.lstrip("-").isdigit() else -1
         p = self.peers[r] if 0 <= r < self.size else Peer(r, "", -1)
-        return PeerLostError(
-            f"{p.where()} aborted the job: {cause}\n(this rank, {self.me.where()}, was {doing} at step {step}.) "
-            f"{_AFTER}", rank=r, host=p.host, pid=p.pid, step=step)
+        if culprit == reporter:
+            what = f"{p.where()} failed and aborted the job: {cause}"
+        else:  # another survivor lost this rank first: name the lost rank, not the one that reported it
+            what = f"{cause} (reported by rank {reporter})"
+        return PeerLostError(f"{what}\n(this rank, {self.me.where()}, was {doing} at step {step}.) {_AFTER}",
+                             rank=r, host=p.host, pid=p.pid, step=step)
 
     def _lost(self, gloo: str, doing: str, step: int) -> PeerLostError:
         """Name the rank behind a failed collective: abort key, gone keys, dead pids here, stopped heartbeats."""
-        first = gloo.strip().splitlines()[0] if gloo.strip() else "connection lost"
+        first = _gloo_text(gloo)
         deadline = time.monotonic() + 2 * self.interval_s + 0.2  # let the abort key of the failing rank land
         while True:
+            if self._abort is None and self.healthy:  # a rank that failed writes it before it exits
+                try:
+                    if self.store.check([self._key("abort")]):
+                        self._abort = self.store.get(self._key("abort")).decode(errors="replace")
+                except Exception:
+                    pass
             if self._abort is not None:
                 return self._aborted(doing, step)
             culprit, how = self._find_culprit()
@@ -229,16 +240,21 @@ class Peers:
         if isinstance(exc, PeerLostError) and self._abort is not None:
             return  # another rank's abort: already published
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        self.publish(f"{type(exc).__name__} at step {step}: {text}")
+        lost = getattr(exc, "rank", -1)
+        if isinstance(exc, (PeerLostError, PeerTimeoutError)) and lost >= 0:  # the root cause is that rank
+            self.publish(text.split(" This rank's workers", 1)[0], culprit=lost)
+        else:
+            self.publish(f"{type(exc).__name__} at step {step}: {text}")
 
-    def publish(self, cause: str) -> None:
-        """Write the abort key (first writer wins; skipped when the store is unreachable)."""
+    def publish(self, cause: str, culprit: int | None = None) -> None:
+        """Write the abort key: the rank at fault, this rank, the cause (first writer wins; skipped when
+        the store is unreachable)."""
         if not self.healthy:
             return
         try:
             key = self._key("abort")
             if not self.store.check([key]):
-                self.store.set(key, f"{self.rank}\n{cause}")
+                self.store.set(key, f"{self.rank if culprit is None else culprit}\n{self.rank}\n{cause}")
         except Exception as exc:
             log.debug("could not publish the abort key: %s", exc)
 
@@ -253,6 +269,14 @@ class Peers:
                 self.store.set(self._key("gone", self.rank), why)
             except Exception:
                 pass
+
+
+def _gloo_text(text: str) -> str:
+    """gloo's message without its source location and boilerplate."""
+    first = text.strip().splitlines()[0] if text.strip() else "connection lost"
+    if first.startswith("[") and "] " in first:
+        first = first.split("] ", 1)[1]
+    return first.split(". This is typically", 1)[0]
 
 
 def _alive(pid: int) -> bool:

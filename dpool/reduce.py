@@ -9,9 +9,10 @@ are summed as sparse tensors, as DataParallel's reduce does.
 
 :class:`Reducer` is the seam for a reducer that also combines the groups across
 nodes (:class:`dpool.crossnode.CrossNodeReducer`, an all-reduce over
-``torch.distributed``). It overrides two hooks, both called before any parameter
-sees a gradient: :meth:`Reducer.union` (which parameters have a gradient anywhere)
-and :meth:`Reducer.combine` (the sum of each such group, made here and combined there).
+``torch.distributed``). It overrides one hook, :meth:`Reducer.combine`: given the
+slots and the local "used" mask, it returns which groups have a gradient, their
+totals and the mask of parameters that have one anywhere, all before any
+parameter sees a gradient.
 """
 from __future__ import annotations
 
@@ -58,9 +59,7 @@ class Reducer:
             for i, b in enumerate(m):
                 if b == 1:
                     mask[i] = 1
-        mask = self.union(mask, at)
-        groups = [g for g, (_, _, _, idxs) in enumerate(self.layout.param_groups) if any(mask[i] for i in idxs)]
-        totals = self.combine(slots, groups)
+        groups, totals, mask = self.combine(slots, mask, at)
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         for g, total in zip(groups, totals):
             _, start, _, idxs = self.layout.param_groups[g]
@@ -80,19 +79,23 @@ class Reducer:
             total.add_(v)
         return total
 
-    def union(self, mask: bytearray, at: int) -> bytearray:
-        """Which parameters have a gradient (1) anywhere: here, the shards of this process only.
+    def combine(self, slots: Sequence[Sequence[torch.Tensor]], mask: bytearray, at: int
+                ) -> tuple[list[int], list[torch.Tensor], bytearray]:
+        """The gradient groups: here, the sum over this process's shards of every group a shard used.
+
+        A cross-node reducer also combines them with the other nodes' and widens ``mask``.
 
         Args:
+            slots: per shard, its gradient slot's view of each dtype group.
             mask: one byte per parameter, 1 where a local shard produced a gradient.
             at: which training forward the backward belongs to.
-        """
-        return mask
 
-    def combine(self, slots: Sequence[Sequence[torch.Tensor]], groups: list[int]) -> list[torch.Tensor]:
-        """The gradient of each group in ``groups`` (indices into ``layout.param_groups``): here, the
-        sum over this process's shards. A cross-node reducer also combines it with the other nodes'."""
-        return [self._sum([s[g] for s in slots]) for g in groups]
+        Returns:
+            the indices (into ``layout.param_groups``) of the groups that have gradients, each one's
+            total, and the mask of the parameters that get a gradient.
+        """
+        groups = [g for g, (_, _, _, idxs) in enumerate(self.layout.param_groups) if any(mask[i] for i in idxs)]
+        return groups, [self._sum([s[g] for s in slots]) for g in groups], mask
 
 
 def sum_sparse(grads: list[torch.Tensor | None], parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]],

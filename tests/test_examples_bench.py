@@ -81,3 +81,14 @@ def test_train_cnn_baseline_gets_the_same_allocator_setting():
                 "--batch-size", "64"])
     assert res.returncode == 0, res.stderr
     assert "memory allocator: dpool's worker heap setting" in res.stdout
+
+
+def test_benchmark_cross_node_setup_smoke(tmp_path):
+    """The `nodes` setup (dpool's cross-node mode, 2 coordinators on loopback gloo) runs and reports its
+    exposed cross-node time next to DDP's at the same process count."""
+    res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe", "--setups", "nodes,ddp", "--out",
+                str(tmp_path)], timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    entry = json.loads((tmp_path / "smoke.json").read_text())["workloads"]["probe"]
+    assert set(entry["setups"]) == {"nodes", "ddp"} and entry["nodes_exposed_collective_ms_per_step"] >= 0
+    assert "nodes/ddp" in res.stdout

@@ -147,17 +147,14 @@ def test_reducer_hooks_see_every_group_before_any_gradient():
     layout, slots, grads = _slots(params, 2, 1)
     seen = []
 
-    class Doubling(Reducer):  # what a cross-node reducer does: widen the mask, combine the local sums
-        def union(self, mask, at):
-            seen.append(("union", bytes(mask), at))
-            return bytearray(b"\x01\x01")  # parameter 1 has a gradient on another node
-
-        def combine(self, slots, groups):
-            seen.append(("combine", list(groups)))
-            return [t * 2 for t in super().combine(slots, groups)]
+    class Doubling(Reducer):  # what a cross-node reducer does: combine the local sums, widen the mask
+        def combine(self, slots, mask, at):
+            seen.append((bytes(mask), at))
+            groups = [0, 1]
+            return groups, [2 * (s0 + s1) for s0, s1 in zip(*slots)], bytearray(b"\x01\x01")
 
     out = Doubling(layout, params, [None, None], torch.device("cpu")).reduce(slots, [b"\x01\x00"] * 2, at=7)
-    assert seen == [("union", b"\x01\x00", 7), ("combine", [0, 1])]
+    assert seen == [(b"\x01\x00", 7)]  # parameter 1 had a gradient on another node only
     torch.testing.assert_close(out[0], 2 * (grads[0][0] + grads[1][0]))
     torch.testing.assert_close(out[1], 2 * (grads[0][1] + grads[1][1]))
 
