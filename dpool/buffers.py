@@ -102,8 +102,11 @@ class BufferCommit:
             else:
                 master.copy_(slots[0][i])
 
-    def _sync_bn(self, bn: nn.modules.batchnorm._BatchNorm, im: int, iv: int, inb: int | None,
-                 slots: Sequence[list[torch.Tensor]], counts: list[int]) -> None:
+    def _shard_moments(self, bn: nn.modules.batchnorm._BatchNorm, im: int, iv: int, inb: int | None,
+                       slots: Sequence[list[torch.Tensor]], counts: list[int]
+                       ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each shard's batch mean and biased variance, recovered from its momentum update of the master's
+        statistics: ``(momentum factor, counts, means, biased variances)``, in float64."""
         old_mean = self.master_views[im].double()
         old_var = self.master_views[iv].double()
         if bn.momentum is None:  # cumulative moving average: factor 1 / num_batches_tracked
@@ -111,10 +114,16 @@ class BufferCommit:
             f = 1.0 / float(slots[0][inb])
         else:
             f = bn.momentum
-        c = torch.tensor(counts, dtype=torch.float64, device=old_mean.device)
+        c = torch.tensor([float(x) for x in counts], dtype=torch.float64, device=old_mean.device)
         means = torch.stack([(s[im].double() - (1 - f) * old_mean) / f for s in slots])
         var_unbiased = torch.stack([(s[iv].double() - (1 - f) * old_var) / f for s in slots])
-        var_biased = var_unbiased * ((c - 1) / c).view(-1, 1)
+        return f, c, means, var_unbiased * ((c - 1) / c).view(-1, 1)
+
+    def _sync_bn(self, bn: nn.modules.batchnorm._BatchNorm, im: int, iv: int, inb: int | None,
+                 slots: Sequence[list[torch.Tensor]], counts: list[int]) -> None:
+        f, c, means, var_biased = self._shard_moments(bn, im, iv, inb, slots, counts)
+        old_mean = self.master_views[im].double()
+        old_var = self.master_views[iv].double()
         n = c.sum()
         w = (c / n).view(-1, 1)
         mean = (w * means).sum(0)
@@ -136,15 +145,7 @@ class BufferCommit:
             for j, (bn, im, iv, inb) in enumerate(self.batchnorms):
                 if not training[j]:
                     continue
-                if bn.momentum is None:  # cumulative moving average: factor 1 / num_batches_tracked
-                    assert inb is not None
-                    f = 1.0 / float(slots[0][inb])
-                else:
-                    f = bn.momentum
-                old_mean, old_var = self.master_views[im].double(), self.master_views[iv].double()
-                c = torch.tensor([float(c[j]) for c in counts], dtype=torch.float64, device=dev)
-                means = torch.stack([(s[im].double() - (1 - f) * old_mean) / f for s in slots])
-                var_b = torch.stack([(s[iv].double() - (1 - f) * old_var) / f for s in slots]) * ((c - 1) / c).view(-1, 1)
+                f, c, means, var_b = self._shard_moments(bn, im, iv, inb, slots, [c[j] for c in counts])
                 cw = c.view(-1, 1)
                 parts += [c.sum().view(1), (cw * means).sum(0), (cw * (var_b + means ** 2)).sum(0)]
                 bns.append((len(parts) - 3, bn, im, iv, inb, f))

@@ -117,6 +117,7 @@ class Runtime:
         self.balancer = _scatter.Balancer(self.n, shard_weights, balance)
         self.no_sync = False
         self.buffer_policy = buffers
+        self._rank0_buffers: torch.Tensor | None = None  # cross-node, buffers="first": staging for the broadcast
         self.gather_outputs = gather
         # One call at a time: calls from several threads (an evaluation thread, a server's handlers)
         # wait for the one in flight, as nn.DataParallel's do; they share segments and the workers.
@@ -404,7 +405,11 @@ class Runtime:
             if self._forward_collectives:  # none for a model without buffers or SyncBatchNorm
                 nodes.header(FORWARD, nodes.fseq)
             if self.buffer_policy == "first" and self.layout.buffer_range is not None:
-                theirs = self._master_buffers.clone()
+                # into a staging copy (made once per layout): a failed broadcast leaves the master as it was
+                theirs = self._rank0_buffers
+                if theirs is None or theirs.numel() != self._master_buffers.numel():
+                    theirs = self._rank0_buffers = torch.empty_like(self._master_buffers)
+                theirs.copy_(self._master_buffers)
                 nodes.broadcast(theirs, "taking rank 0's buffers")
                 self._master_buffers.copy_(theirs)
         # One draw from the coordinator's generator per forward: torch.manual_seed(s) makes a run
