@@ -46,6 +46,9 @@ class Config:
             group's store (``DPOOL_PEER_HEARTBEAT``).
         peer_heartbeat_timeout_s: cross-node mode: silence after which a node is declared
             frozen (``DPOOL_PEER_HEARTBEAT_TIMEOUT``).
+        cross_node_overlap: cross-node mode: exchange each gradient bucket as soon as every
+            local worker completed it, during the backward (``DPOOL_CROSS_NODE_OVERLAP=0``
+            exchanges them after it).
     """
 
     heartbeat_interval_s: float = field(default_factory=lambda: _env_float("DPOOL_HEARTBEAT_INTERVAL", 0.2))
@@ -58,6 +61,7 @@ class Config:
     peer_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_PEER_TIMEOUT", 600.0))
     peer_heartbeat_s: float = field(default_factory=lambda: _env_float("DPOOL_PEER_HEARTBEAT", 1.0))
     peer_heartbeat_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_PEER_HEARTBEAT_TIMEOUT", 30.0))
+    cross_node_overlap: bool = field(default_factory=lambda: os.environ.get("DPOOL_CROSS_NODE_OVERLAP", "1") != "0")
 
     def replace(self, **changes: Any) -> "Config":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

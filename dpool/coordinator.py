@@ -169,7 +169,13 @@ class Runtime:
         self._forward_collectives = self.layout.buffer_range is not None or any(
             isinstance(m, SyncBatchNorm) for m in self.module.modules())
         if self.nodes is not None:
-            self.reducer = CrossNodeReducer(self.layout, master.params, master.param_strides, self.device, self.nodes)
+            # Buckets leave during the backward as the workers complete them: CPU workers only (a GPU
+            # worker's report would have to wait for its stream), and not with SyncBatchNorm, whose
+            # exchanges inside the backward would then interleave with the buckets' by timing.
+            overlap = (self.config.cross_node_overlap and not self.cuda
+                       and not any(isinstance(m, SyncBatchNorm) for m in self.module.modules()))
+            self.reducer = CrossNodeReducer(self.layout, master.params, master.param_strides, self.device, self.nodes,
+                                            overlap)
         else:
             self.reducer = Reducer(self.layout, master.params, master.param_strides, self.device)
 
@@ -236,7 +242,8 @@ class Runtime:
         msgs = {
             i: P.Init(self._model_bytes, [p for p in sys.path if isinstance(p, str)], self._params_ref(i, by_name),
                       self.states[i].ref(), pl, bl, pool.threads,
-                      {"bn_counts": self._buffers.needs_counts, "event": pool.event_handle(i)})
+                      {"bn_counts": self._buffers.needs_counts, "event": pool.event_handle(i),
+                       "buckets": self.reducer.bucket_members()})
             for i in indices
         }
         try:
@@ -648,7 +655,13 @@ class Runtime:
             sparse = self.io.segment(s, "sparse")
             msgs[s] = P.Backward(call, pool.step, seg.ref(), gmetas, gin.ref(), hold,
                                  sparse.ref() if sparse is not None else [None, 0], keep)
-        replies = self._request(msgs, "running backward")
+        # the reducer may start combining while the workers still run (cross-node buckets)
+        slots = [self._grad_slots[s] for s in range(k)]
+        pool.on_bucket = None if hold else self.reducer.begin(slots, call, at)
+        try:
+            replies = self._request(msgs, "running backward")
+        finally:
+            pool.on_bucket = None
         pool.unlink_segments()
         self._raise_failures(replies, "backward")
         need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}
@@ -668,8 +681,8 @@ class Runtime:
         # cross-node mode); then sparse gradients. Under no_sync() the gradients stay on the workers.
         if hold:
             return [None] * len(self.params), replies
-        param_grads = self.reducer.reduce([self._grad_slots[s] for s in range(k)],
-                                          [replies[s].param_mask for s in range(k)], at)
+        param_grads = self.reducer.reduce(slots, [replies[s].param_mask for s in range(k)], at,
+                                          any(replies[s].late for s in range(k)))
         for s in range(k):
             seg = self.io.segment(s, "sparse")
             sum_sparse(param_grads, [(i, read(seg.views, imeta), read(seg.views, vmeta))

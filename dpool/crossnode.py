@@ -37,7 +37,7 @@ import itertools
 import json
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -128,6 +128,8 @@ class CrossNode:
         self.mask_len = 0
         self._header: torch.Tensor | None = None
         self._headers: list[torch.Tensor] = []
+        self._trailer: torch.Tensor | None = None
+        self._trailers: list[torch.Tensor] = []
         if auto and self.rank == 0:
             log.warning("dpool: cross-node mode over the default process group (%d nodes, %s); pass "
                         "process_group=None to stay on one node", self.size, self.backend)
@@ -201,35 +203,31 @@ class CrossNode:
                 off += t.numel()
 
     # ------------------------------------------------------------------ per step
-    def header(self, kind: int, at: int, mask: bytes | bytearray = b"") -> bytearray:
-        """Agree with every rank on where the job is; return the union of the ``used`` masks.
+    def header(self, kind: int, at: int) -> None:
+        """Agree with every rank on where the job is.
 
         Raises:
             CollectiveDesyncError: the ranks are at different collectives (on every rank alike).
         """
-        work, doing = self.start_header(kind, at, mask)
+        work, doing = self.start_header(kind, at)
         self.peers.wait(work, doing, self.step)
-        return self.check_header()
+        self.check_header()
 
-    def start_header(self, kind: int, at: int, mask: bytes | bytearray = b"") -> tuple[Any, str]:
+    def start_header(self, kind: int, at: int) -> tuple[Any, str]:
         """Launch the header's all-gather; :meth:`check_header` reads it once the work completed."""
-        if self._header is None:  # made once: the header's size is fixed by the model
-            self._header = torch.zeros(4 + self.mask_len, dtype=torch.int64, device=self.comm_device)
+        if self._header is None:  # made once
+            self._header = torch.zeros(3, dtype=torch.int64, device=self.comm_device)
             self._headers = [torch.zeros_like(self._header) for _ in range(self.size)]
         h = self._header
-        h.zero_()
         h[0], h[1], h[2] = kind, self.seq, at
-        if mask:
-            h[4:4 + len(mask)].copy_(torch.frombuffer(bytearray(mask), dtype=torch.uint8))
         doing = f"starting {_KINDS[kind]} (collective {self.seq})"
         work = self.dist.all_gather(self._headers, h, group=self.group, async_op=True)
         self.seq += 1
         self.collectives += 1
         return work, doing
 
-    def check_header(self) -> bytearray:
-        rows_all = torch.stack(self._headers).cpu()
-        where = [tuple(int(v) for v in row[:3]) for row in rows_all]
+    def check_header(self) -> None:
+        where = [tuple(int(v) for v in row) for row in torch.stack(self._headers).cpu()]
         if len(set(where)) > 1:
             def say(w: tuple[int, ...]) -> str:
                 k, seq, f = w
@@ -244,7 +242,20 @@ class CrossNode:
                 "(an extra backward, a training forward outside no_sync() on one rank only, or a rank that skipped "
                 "a batch). Nothing was combined; the master module is unchanged.",
                 rank=odd, host=p.host, pid=p.pid, step=self.step)
-        return bytearray(rows_all[:, 4:].amax(0).to(torch.uint8).numpy().tobytes())
+
+    def trailer(self, mask: bytes | bytearray, late: bool) -> tuple[bytearray, bool]:
+        """After a backward's buckets: the union of the ranks' "used" masks, and whether any rank was ``late``."""
+        if self._trailer is None:
+            self._trailer = torch.zeros(1 + self.mask_len, dtype=torch.uint8, device=self.comm_device)
+            self._trailers = [torch.zeros_like(self._trailer) for _ in range(self.size)]
+        t = self._trailer
+        t[0] = int(late)
+        t[1:1 + len(mask)].copy_(torch.frombuffer(bytearray(mask), dtype=torch.uint8) if mask else t[1:1])
+        work = self.dist.all_gather(self._trailers, t, group=self.group, async_op=True)
+        self.collectives += 1
+        self.peers.wait(work, "combining which parameters have gradients", self.step)
+        union = torch.stack(self._trailers).amax(0).cpu()
+        return bytearray(union[1:].numpy().tobytes()), bool(union[0])
 
     def broadcast(self, t: torch.Tensor, doing: str) -> None:
         """Rank 0's ``t`` into every rank's ``t`` (bounded wait)."""
@@ -267,62 +278,153 @@ class CrossNode:
 class CrossNodeReducer(Reducer):
     """:class:`dpool.reduce.Reducer` whose groups are averaged over the nodes (1/N, then a SUM all-reduce).
 
-    Every group is combined, whether or not a local shard used it, so that every rank issues the
-    same collectives: the header (with the "used" mask) first, then each group's buckets, each
-    launched as soon as its local sum is made, so the next bucket's sum overlaps it. The union of
-    the masks decides which parameters get a gradient: one used on any node gets the average (the
-    nodes that did not use it contribute zeros), one used nowhere stays ``None`` on every node.
+    A backward's collectives, the same on every rank whatever the timing:
+
+    1. a *header* (its kind and position, checked before the first bucket leaves, so ranks that are out
+       of step never combine anything), launched as the round starts;
+    2. every bucket (:func:`_buckets`, groups in order), whether or not a local shard used it;
+    3. a *trailer*: the ranks' "used" masks (their union decides which parameters get a gradient: one
+       used on any node gets the average, the nodes that did not use it contribute zeros, one used
+       nowhere stays ``None`` everywhere), and whether a shard was ``late``.
+
+    With ``overlap``, a bucket is summed and launched *during* the round, as soon as every local shard
+    reported it complete (``bucket_ready``) and the buckets before it left, so its exchange runs while
+    the workers compute the rest of the backward; the rest leave when the round ends. A shard whose
+    gradient grew after it reported the bucket (a parameter reused across reentrant checkpoints) is
+    ``late``: then every rank combines every bucket again from the complete slots and turns overlap
+    off for the rest of the run (as DDP insists on one gradient per parameter per backward, but
+    without the error).
 
     With two nodes a bucket's SUM is an all-gather and one local add (in rank order, so every rank
     holds the same bytes, equal to the all-reduce's: a sum of two terms does not depend on their
     order). The traffic is the same as a ring all-reduce's at N = 2, and gloo's all-gather has a
     fifth of its all-reduce's latency on loopback (0.4 ms against 2 ms, measured).
+
+    Args:
+        nodes: this node among the others.
+        overlap: exchange buckets during the backward (the workers report them).
     """
 
     def __init__(self, layout: Layout, params: Sequence[torch.Tensor], strides: Sequence[Sequence[int] | None],
-                 device: torch.device, nodes: CrossNode) -> None:
+                 device: torch.device, nodes: CrossNode, overlap: bool) -> None:
         super().__init__(layout, params, strides, device)
         self.nodes = nodes
+        self.overlap = overlap
         self.groups = [g for g, (_, _, _, idxs) in enumerate(layout.param_groups) if idxs]
-        self._pairs: dict[tuple[int, int], list[torch.Tensor]] = {}  # all-gather outputs, made once per bucket
+        # the buckets in the order every rank exchanges them: (position in groups, element range), and
+        # the parameters each one holds (a parameter may straddle two)
+        self.plan: list[tuple[int, int, int]] = []
+        self.members: list[list[int]] = []
+        for gi, g in enumerate(self.groups):
+            dtype, start, end, idxs = layout.param_groups[g]
+            el = self.params[idxs[0]].element_size()
+            for a, b in _buckets((end - start) // el, el):
+                self.plan.append((gi, a, b))
+                first = [(layout.param_offsets[i] - start) // el for i in idxs]
+                self.members.append([i for i, f in zip(idxs, first) if f < b and f + self.params[i].numel() > a])
+        self._pairs: list[list[torch.Tensor] | None] = [None] * len(self.plan)  # all-gather outputs, made once
+        self._slots: Sequence[Sequence[torch.Tensor]] | None = None
+        self._call = -1
+        self._counts: list[int] = []
+        self._next = 0  # the next bucket to launch
+        self._totals: list[torch.Tensor] = []
+        self._works: list[tuple[Any, torch.Tensor, list[torch.Tensor] | None]] = []
+        self._header_checked = False
+        self.early = 0  # buckets launched while the workers still ran (the overlap; tests and benchmarks read it)
 
-    def combine(self, slots: Sequence[Sequence[torch.Tensor]], mask: bytearray, at: int
-                ) -> tuple[list[int], list[torch.Tensor], bytearray]:
+    def bucket_members(self) -> list[list[int]]:
+        return self.members if self.overlap else []
+
+    def begin(self, slots: Sequence[Sequence[torch.Tensor]], call: int, at: int
+              ) -> Callable[[int, int, int], None] | None:
         nodes = self.nodes
-        dist, group = nodes.dist, nodes.group
-        gather = nodes.size == 2
-        header, doing = nodes.start_header(BACKWARD, at, mask)
-        scale = 1.0 / nodes.size
-        works: list[tuple[Any, torch.Tensor, list[torch.Tensor] | None]] = []
-        totals = []
-        for g in self.groups:
-            views = [s[g].to(self.device) for s in slots]
-            total = torch.empty_like(views[0])
-            for bi, (a, b) in enumerate(_buckets(views[0].numel(), views[0].element_size())):
-                out = total[a:b]
-                if len(views) > 1:
-                    torch.add(views[0][a:b], views[1][a:b], out=out)
-                    for v in views[2:]:
-                        out.add_(v[a:b])
-                else:
-                    out.copy_(views[0][a:b])
-                out.mul_(scale)  # DDP's order: 1/N first (no overflow in half precision), then the SUM
-                if gather:
-                    pair = self._pairs.get((g, bi))
-                    if pair is None:
-                        pair = self._pairs[(g, bi)] = [torch.empty_like(out) for _ in range(2)]
-                    works.append((dist.all_gather(pair, out, group=group, async_op=True), out, pair))
-                else:
-                    works.append((dist.all_reduce(out, group=group, async_op=True), out, None))
-                nodes.collectives += 1
-            totals.append(total)
-        nodes.peers.wait(header, doing, nodes.step)
-        union = nodes.check_header()  # out of step: raises before any gradient exists
-        for work, out, pair in works:
+        self._slots = slots
+        self._header = nodes.start_header(BACKWARD, at)
+        self._header_checked = False
+        # new memory every step: the master's gradients are views of it
+        self._totals = [torch.empty((self.layout.param_groups[g][2] - self.layout.param_groups[g][1])
+                                    // slots[0][g].element_size(), dtype=slots[0][g].dtype, device=self.device)
+                        for g in self.groups]
+        self._works = []
+        self._next = 0
+        if not self.overlap:
+            return None
+        self._call = call
+        self._counts = [0 if m else len(slots) for m in self.members]
+        return self._ready
+
+    def _ready(self, shard: int, call: int, bucket: int) -> None:
+        """A shard reported ``bucket`` complete: launch what is ready, in order."""
+        if call != self._call or self._slots is None or not 0 <= bucket < len(self._counts):
+            return  # a report from an abandoned round
+        self._counts[bucket] += 1
+        k = len(self._slots)
+        while self._next < len(self.plan) and self._counts[self._next] >= k:
+            self._launch(self._next)
+            self.early += 1
+
+    def _launch(self, j: int) -> None:
+        """Sum bucket ``j`` over the local shards, scale it by 1/N, start its exchange."""
+        nodes = self.nodes
+        if not self._header_checked:  # ranks out of step exchange nothing
+            work, doing = self._header
+            nodes.peers.wait(work, doing, nodes.step)
+            nodes.check_header()
+            self._header_checked = True
+        assert self._slots is not None
+        gi, a, b = self.plan[j]
+        g = self.groups[gi]
+        out = self._totals[gi][a:b]
+        views = [s[g][a:b].to(self.device) for s in self._slots]
+        if len(views) > 1:
+            torch.add(views[0], views[1], out=out)
+            for v in views[2:]:
+                out.add_(v)
+        else:
+            out.copy_(views[0])
+        out.mul_(1.0 / nodes.size)  # DDP's order: 1/N first (no overflow in half precision), then the SUM
+        if nodes.size == 2:
+            pair = self._pairs[j]
+            if pair is None:
+                pair = self._pairs[j] = [torch.empty_like(out) for _ in range(2)]
+            self._works.append((nodes.dist.all_gather(pair, out, group=nodes.group, async_op=True), out, pair))
+        else:
+            self._works.append((nodes.dist.all_reduce(out, group=nodes.group, async_op=True), out, None))
+        nodes.collectives += 1
+        self._next = j + 1
+
+    def _finish(self) -> None:
+        """Launch the buckets not launched yet; wait for all of them."""
+        nodes = self.nodes
+        while self._next < len(self.plan):
+            self._launch(self._next)
+        for work, out, pair in self._works:
             nodes.peers.wait(work, "combining the gradients", nodes.step)
             if pair is not None:
                 torch.add(pair[0], pair[1], out=out)
-        return self.groups, totals, union
+        self._works = []
+
+    def combine(self, slots: Sequence[Sequence[torch.Tensor]], mask: bytearray, at: int, late: bool = False
+                ) -> tuple[list[int], list[torch.Tensor], bytearray]:
+        nodes = self.nodes
+        if self._slots is None:  # no begin(): a round without reports
+            self.begin(slots, -1, at)
+            self._call = -1
+        try:
+            self._finish()
+            union, late = nodes.trailer(mask, late and self.overlap)  # (once off, every rank ignores it)
+            if late:  # what some rank sent early was stale: every rank combines the complete slots again
+                if self.overlap:
+                    log.info("dpool: a parameter's gradient grew after its bucket was exchanged (a parameter used "
+                             "in several reentrant checkpoints?): the step's gradients were combined again, and "
+                             "buckets are exchanged after the backward from now on")
+                self.overlap = False
+                self._next = 0
+                self._finish()
+            return self.groups, self._totals, union
+        finally:
+            self._slots = None
+            self._call = -1
 
 
 def _buckets(numel: int, elsize: int) -> list[tuple[int, int]]:

@@ -70,7 +70,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import psutil
 import torch
@@ -124,6 +124,9 @@ class Pool:
         self._round: set[int] = set()
         self.exiting: set[int] = set()  # workers that replied CONTEXT_LOST and are exiting
         self._hub = AllReduceHub()
+        # Set for a backward round whose buckets are exchanged as they complete (dpool.crossnode):
+        # called with (worker index, call, bucket) from inside the round's wait.
+        self.on_bucket: Callable[[int, int, int], None] | None = None
         self.key = secrets.token_bytes(32)
         self._pending = [0] * len(self.devices)
         self.workers = [Worker(i, d) for i, d in enumerate(self.devices)]
@@ -384,7 +387,7 @@ class Pool:
             if isinstance(msg, P.Output):  # an attached worker's prints: shown as spawned workers' are
                 show_output(f"dpool worker {idx}", msg.text, msg.stream == 2)
                 continue
-            if not isinstance(msg, (P.Hello, P.AllReduce)):
+            if not isinstance(msg, (P.Hello, P.AllReduce, P.BucketReady)):
                 # A reply. Every reply settles one request, wherever it is read: a reply owed by an
                 # abandoned round (a failed send to another worker, Ctrl-C) is dropped here, and the
                 # reply to the current request is the one that brings the count to zero.
@@ -425,6 +428,10 @@ class Pool:
                 for idx, msg in self.drain():
                     if isinstance(msg, P.AllReduce):
                         self._hub.offer(idx, msg, self._reply)
+                        continue
+                    if isinstance(msg, P.BucketReady):
+                        if self.on_bucket is not None and idx in self._round:
+                            self.on_bucket(idx, msg.call, msg.bucket)
                         continue
                     if idx in need:
                         replies[idx] = msg

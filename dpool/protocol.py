@@ -26,8 +26,9 @@ Every failure in steps 1-4 is a :class:`~dpool.errors.ProtocolError`
 Ops follow one naming scheme: a request is a verb (``forward``, ``attach``,
 ``status``), its reply is the verb with ``_done`` (``forward_done``,
 ``attach_done``, ``status_done``); any request may instead be answered with
-``failed``. Three messages are not replies: ``hello`` (a worker's first word),
-``output`` (an attached worker's printed text) and ``shutdown`` (no answer).
+``failed``. Four messages are not replies: ``hello`` (a worker's first word),
+``output`` (an attached worker's printed text), ``bucket_ready`` (a progress
+report during a backward) and ``shutdown`` (no answer).
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ __all__ = [
     "CallDone",
     "AllReduce",
     "AllReduceDone",
+    "BucketReady",
     "TensorMeta",
     "FetchDone",
     "Serve",
@@ -86,7 +88,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 5  # 5: a typed boot message; inspect replaces release (used only by tests)
+PROTOCOL_VERSION = 6  # 6: bucket_ready (gradient buckets reported during backward); backward_done's late
+# 5: a typed boot message; inspect replaces release (used only by tests)
 # 3: forward carries a seed drawn from the coordinator's generator; sparse gradients; parameter strides;
 #    backward keep_as (higher-order gradients)
 # 4: one op-naming scheme (the daemon's ops too; fetch answered by fetch_done); tensor metas validated
@@ -219,7 +222,12 @@ class Hello(Message):
     options=(dict,),
 )
 class Init(Message):
-    """Coordinator → worker: the pickled model (without tensor data) and the shared layouts."""
+    """Coordinator → worker: the pickled model (without tensor data) and the shared layouts.
+
+    ``options``: ``bn_counts`` (report BatchNorm's values per channel), ``event`` (the coordinator's
+    CUDA IPC event handle), ``buckets`` (cross-node overlap: per gradient bucket, in the order they are
+    exchanged, the indices of the parameters it holds; the worker sends :class:`BucketReady` for each).
+    """
 
     model: bytes
     sys_path: list
@@ -339,7 +347,7 @@ class Backward(Message):
 
 
 @_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_METAS, busy=(float,), sparse=_LIST,
-          sparse_need=_INT)
+          sparse_need=_INT, late=_BOOL)
 class BackwardDone(Message):
     """Parameter gradients are in the worker's gradient slot; ``param_mask`` says which exist.
 
@@ -347,6 +355,8 @@ class BackwardDone(Message):
     (``nn.Embedding(sparse=True)``): ``sparse`` lists ``[param index, indices meta,
     values meta]`` of each, coalesced, in the sparse segment; ``sparse_need > 0`` means
     that segment was too small and the gradients wait for :class:`FetchSparse`.
+    ``late``: a parameter's gradient grew after its bucket was reported ready
+    (:class:`BucketReady`), so what was sent early is stale.
     """
 
     call: int
@@ -355,6 +365,7 @@ class BackwardDone(Message):
     busy: float
     sparse: list
     sparse_need: int
+    late: bool
 
 
 @_message("fetch_sparse", call=_INT, sparse=_LIST)
@@ -453,6 +464,20 @@ class AllReduceDone(Message):
     seq: int
     data: bytes
     abort: bool
+
+
+@_message("bucket_ready", call=_INT, bucket=_INT)
+class BucketReady(Message):
+    """Worker → coordinator, *during* a backward: every parameter of gradient bucket ``bucket`` has its
+    gradient in the worker's slot (cross-node mode; the buckets come with :class:`Init`'s ``options``).
+
+    Not a reply and not answered: the coordinator starts the bucket's exchange between the nodes once
+    every shard reported it (:mod:`dpool.crossnode`). A gradient that grows after its report makes the
+    backward's reply ``late``.
+    """
+
+    call: int
+    bucket: int
 
 
 # ---------------------------------------------------------------- dpool-workers daemon
@@ -577,6 +602,7 @@ MESSAGES: dict[str, type[Message]] = {
     for cls in (
         Boot, Hello, Init, InitDone, Forward, ForwardDone, Fetch, FetchDone, Backward, BackwardDone, FetchSparse,
         FetchSparseDone, Criterion, CriterionDone, Inspect, InspectDone, Call, CallDone, AllReduce, AllReduceDone,
+        BucketReady,
         Shutdown, Failed, Output, Serve, ServeDone, Attach, AttachDone, Detach, DetachDone, Status, StatusDone, Stop,
         StopDone,
     )

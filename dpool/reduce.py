@@ -9,14 +9,16 @@ are summed as sparse tensors, as DataParallel's reduce does.
 
 :class:`Reducer` is the seam for a reducer that also combines the groups across
 nodes (:class:`dpool.crossnode.CrossNodeReducer`, an all-reduce over
-``torch.distributed``). It overrides one hook, :meth:`Reducer.combine`: given the
-slots and the local "used" mask, it returns which groups have a gradient, their
-totals and the mask of parameters that have one anywhere, all before any
-parameter sees a gradient.
+``torch.distributed``). It overrides :meth:`Reducer.combine`: given the slots and
+the local "used" mask, it returns which groups have a gradient, their totals and
+the mask of parameters that have one anywhere, all before any parameter sees a
+gradient. Two more hooks let it start work while the workers still run the
+backward: :meth:`Reducer.bucket_members` (the buckets the workers report as they
+complete) and :meth:`Reducer.begin` (the handler of those reports for one round).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,14 +44,29 @@ class Reducer:
         self.strides = list(strides)
         self.device = device
 
-    def reduce(self, slots: Sequence[Sequence[torch.Tensor]], used: Sequence[bytes], at: int = -1
-               ) -> list[torch.Tensor | None]:
+    def bucket_members(self) -> list[list[int]]:
+        """Per gradient bucket the workers report during a backward, its parameters' indices (none here)."""
+        return []
+
+    def begin(self, slots: Sequence[Sequence[torch.Tensor]], call: int, at: int
+              ) -> Callable[[int, int, int], None] | None:
+        """A backward round of ``call`` starts on ``slots``; :meth:`reduce` ends it.
+
+        Returns:
+            the handler of the round's bucket reports, called with (shard, call, bucket) as each
+            arrives, or ``None`` when this reducer takes none.
+        """
+        return None
+
+    def reduce(self, slots: Sequence[Sequence[torch.Tensor]], used: Sequence[bytes], at: int = -1,
+               late: bool = False) -> list[torch.Tensor | None]:
         """The master's gradients, summed over shards.
 
         Args:
             slots: per shard that ran, its gradient slot's view of each dtype group.
             used: per shard, one byte per parameter: 1 where the shard produced a gradient.
             at: which training forward the backward belongs to (checked across nodes).
+            late: a shard's gradient grew after it reported its bucket (see :meth:`begin`).
 
         Returns:
             one gradient per parameter; ``None`` for a parameter no shard produced a gradient for.
@@ -59,7 +76,7 @@ class Reducer:
             for i, b in enumerate(m):
                 if b == 1:
                     mask[i] = 1
-        groups, totals, mask = self.combine(slots, mask, at)
+        groups, totals, mask = self.combine(slots, mask, at, late)
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         for g, total in zip(groups, totals):
             _, start, _, idxs = self.layout.param_groups[g]
@@ -79,7 +96,7 @@ class Reducer:
             total.add_(v)
         return total
 
-    def combine(self, slots: Sequence[Sequence[torch.Tensor]], mask: bytearray, at: int
+    def combine(self, slots: Sequence[Sequence[torch.Tensor]], mask: bytearray, at: int, late: bool = False
                 ) -> tuple[list[int], list[torch.Tensor], bytearray]:
         """The gradient groups: here, the sum over this process's shards of every group a shard used.
 
@@ -89,6 +106,7 @@ class Reducer:
             slots: per shard, its gradient slot's view of each dtype group.
             mask: one byte per parameter, 1 where a local shard produced a gradient.
             at: which training forward the backward belongs to.
+            late: a shard's gradient grew after it reported its bucket.
 
         Returns:
             the indices (into ``layout.param_groups``) of the groups that have gradients, each one's

@@ -43,6 +43,52 @@ class Net(nn.Module):
         return y + self.extra(x) if extra else y
 
 
+class _Slow(torch.autograd.Function):
+    """The identity, whose backward takes 0.3 s: the coordinator surely reads a reported bucket meanwhile."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        time.sleep(0.3)
+        return g
+
+
+class Deep(nn.Module):
+    """Parameters over several gradient buckets (2.3 MiB in float64). ``shared``: the middle block
+    runs twice, in two reentrant checkpoints, after its bucket could already leave (DDP's "marked ready
+    twice"): its second gradient arrives late."""
+
+    def __init__(self, shared: bool = False) -> None:
+        super().__init__()
+        self.shared = shared
+        self.pre = nn.Linear(D_IN, 16)
+        self.wide = nn.Linear(16, 8192)  # registered before `block`, used after it: its gradient comes first
+        self.block = nn.Linear(16, 16)
+        self.post = nn.Linear(8192, D_OUT)
+
+    def _slow_block(self, h: torch.Tensor) -> torch.Tensor:
+        return _Slow.apply(self.block(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.pre(x))
+        if self.shared:  # the second checkpoint's backward runs first; the first's accumulates `block` again
+            h = checkpoint(self._slow_block, h, use_reentrant=True)
+            h = checkpoint(self.block, h, use_reentrant=True)
+        else:
+            h = self.block(h)
+        return self.post(torch.tanh(self.wide(h)))
+
+
+def make_deep(shared: bool = False) -> Deep:
+    torch.manual_seed(0)
+    return Deep(shared).double()
+
+
 def make_net(bn: bool = True, sync_bn: bool = False) -> Net:
     torch.manual_seed(0)
     return Net(bn, sync_bn).double()
@@ -120,6 +166,30 @@ def union(rank: int, world: int, p: dict) -> dict:
     torch.save(state(net), p["file"])
     model.close()
     return {}
+
+
+def overlap(rank: int, world: int, p: dict) -> dict:
+    """Buckets exchanged during the backward (nodes of 1 and 2 workers), then a model whose shared block
+    makes a gradient late: both against one process on the union batch (computed by the test)."""
+    B = 8
+    out: dict = {}
+    saved = {}
+    for shared in (False, True):
+        net = make_deep(shared)
+        model = dpool.wrap(net, device_ids=["cpu"] * p["workers"][rank], worker_threads=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for x, y in batches(3, B):
+            sl = rows_of(rank, world, B)
+            opt.zero_grad()
+            F.mse_loss(model(x[sl]), y[sl]).backward()
+            opt.step()
+        reducer = model._runtime.reducer
+        out["shared" if shared else "plain"] = {"early": reducer.early, "overlap": reducer.overlap,
+                                                "buckets": len(reducer.plan)}
+        saved["shared" if shared else "plain"] = state(net)
+        model.close()
+    torch.save(saved, p["file"])
+    return out
 
 
 def accumulate(rank: int, world: int, p: dict) -> dict:
@@ -235,7 +305,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-SCENARIOS = {"vs_ddp": vs_ddp, "union": union, "accumulate": accumulate, "fault": fault}
+SCENARIOS = {"vs_ddp": vs_ddp, "union": union, "overlap": overlap, "accumulate": accumulate, "fault": fault}
 
 
 def main() -> None:

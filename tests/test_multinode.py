@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from tests.conftest import wait_for
 from tests.helpers import ROOT
-from tests.multinode import batches, make_net, rows_of
+from tests.multinode import batches, make_deep, make_net, rows_of
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +101,7 @@ def runs():
         "syncbn_1x2": Run("union", 2, workers=[1, 2], buffers="average", sync_bn=True),
         "bn_sync_2x2": Run("union", 2, workers=[2, 2], buffers="sync", steps=1, head=False),
         "accumulate": Run("accumulate", 2, workers=2),
+        "overlap": Run("overlap", 2, workers=[1, 2]),
     }
     for run in started.values():
         run.finish(timeout=150)
@@ -182,6 +183,36 @@ def test_nodes_train_like_one_process_on_the_union_batch(runs, name):
     _same(t0["params"], t1["params"], exact=True)
     _same(t0["grads"], t1["grads"], exact=True)
     assert t0["grads"][0] is None  # `unused`
+
+
+def test_buckets_leave_during_the_backward_and_a_late_gradient_is_combined_again(runs):
+    """Cross-node overlap: buckets are exchanged while the workers still run the backward (nodes of 1 and 2
+    workers), and the result equals one process on the union batch. A block reused in two reentrant
+    checkpoints grows its gradient after its bucket left: every rank combines the step again from the
+    complete gradients (still equal to the reference) and turns overlap off."""
+    from tests.multinode import state
+
+    run = runs["overlap"]
+    _ok(run)
+    for shared in (False, True):
+        net = make_deep(shared)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        for x, y in batches(3, 8):
+            opt.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+        ref = state(net)
+        name = "shared" if shared else "plain"
+        t0, t1 = run.tensors(0)[name], run.tensors(1)[name]
+        for t in (t0, t1):
+            _same(t["params"], ref["params"])
+            _same(t["grads"], ref["grads"])
+        _same(t0["params"], t1["params"], exact=True)
+    for r in (0, 1):
+        res = run.result(r)
+        assert res["plain"]["buckets"] == 2 and res["plain"]["early"] >= 3, res  # 3 steps: bucket 0 left early
+        assert res["plain"]["overlap"] is True, res
+        assert res["shared"]["overlap"] is False and res["shared"]["early"] >= 1, res
 
 
 def test_buffer_policy_sync_is_global(runs):

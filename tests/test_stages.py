@@ -148,13 +148,13 @@ def test_reducer_hooks_see_every_group_before_any_gradient():
     seen = []
 
     class Doubling(Reducer):  # what a cross-node reducer does: combine the local sums, widen the mask
-        def combine(self, slots, mask, at):
-            seen.append((bytes(mask), at))
+        def combine(self, slots, mask, at, late=False):
+            seen.append((bytes(mask), at, late))
             groups = [0, 1]
             return groups, [2 * (s0 + s1) for s0, s1 in zip(*slots)], bytearray(b"\x01\x01")
 
     out = Doubling(layout, params, [None, None], torch.device("cpu")).reduce(slots, [b"\x01\x00"] * 2, at=7)
-    assert seen == [(b"\x01\x00", 7)]  # parameter 1 had a gradient on another node only
+    assert seen == [(b"\x01\x00", 7, False)]  # parameter 1 had a gradient on another node only
     torch.testing.assert_close(out[0], 2 * (grads[0][0] + grads[1][0]))
     torch.testing.assert_close(out[1], 2 * (grads[0][1] + grads[1][1]))
 

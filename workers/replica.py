@@ -11,6 +11,14 @@ State kept across steps:
   backpropagate through, by call id, until it sends ``release``.
 * mapped segments by role (``in``, ``out``, ``gout``, ``gin``): remapped only
   when the coordinator announces a new (grown) segment.
+
+Parameter gradients go to the gradient slot as autograd finishes each one (a
+post-accumulate hook copies it there, or adds a second accumulation to it, and
+drops ``.grad``), not in a pass after the backward. In cross-node mode with
+overlap (``Init.options["buckets"]``) the hook also counts each bucket's
+parameters and reports a complete bucket at once (``bucket_ready``), so the
+coordinator can start its exchange while the rest of the backward runs; a
+gradient that grows after its bucket was reported marks the reply ``late``.
 """
 from __future__ import annotations
 
@@ -109,7 +117,17 @@ class Replica:
         self.unfetched_sparse: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._to_release: list[int] = []
         self.collective: Any = None
+        self.notify: Callable[[P.Message], None] | None = None  # sends a message mid-request (bucket_ready)
         self._holding = False
+        self._to_slot = False  # inside a backward whose gradients go to the slot (the hooks act)
+        self._written = bytearray()  # per parameter: its slot holds a gradient (since the last reduced backward)
+        self._fresh = bytearray()  # per parameter: accumulated in the current backward
+        self._bucket_of: list[tuple[int, ...]] = []  # per parameter: the buckets it lies in
+        self._bucket_sizes: list[int] = []
+        self._left: list[int] = []  # per bucket: parameters still to come in the current backward
+        self._reported: bytearray = bytearray()
+        self._report_call = -1  # the call whose buckets are reported (-1: none)
+        self._late = False
         self._training = b""
         self._requires_grad = b""
         # The coordinator's interprocess event: recorded before each request, waited on by our stream
@@ -154,6 +172,7 @@ class Replica:
         self.unfetched.clear()
         self.unfetched_sparse.clear()
         self._holding = False
+        self._report_call = -1
         self._training = self._requires_grad = b""
         for p in msg.sys_path:
             if isinstance(p, str) and p not in sys.path:
@@ -195,6 +214,17 @@ class Replica:
         if missing:
             raise RuntimeError(f"parameters {missing} of the layout did not appear in the pickled model")
         self.params = [params[i] for i in range(len(self.param_views))]
+        self._written = bytearray(len(self.params))
+        self._fresh = bytearray(len(self.params))
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(self._to_slot_hook(i))
+        buckets = msg.options.get("buckets") or []
+        self._bucket_of = [() for _ in self.params]
+        for b, members in enumerate(buckets):
+            for i in members:
+                self._bucket_of[i] += (b,)
+        self._bucket_sizes = [len(m) for m in buckets]
+        self._reported = bytearray(len(buckets))
         self.modules = list(model.modules())
         self.model = model
         self._bn_counts: list[int] = []
@@ -206,6 +236,38 @@ class Replica:
                 bn.register_forward_pre_hook(self._counter(j))
         self.stage = "idle"
         return P.InitDone(len(self.params), len(self.buffer_views))
+
+    def _to_slot_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        """Parameter ``i``'s post-accumulate hook: its gradient into the slot (and its bucket's count)."""
+        slot = self.grad_views[i]
+
+        def hook(p: torch.Tensor) -> None:
+            if not self._to_slot:  # create_graph, or autograd run by the model itself: .grad stays
+                return
+            g = p.grad
+            if g is None or g.is_sparse:  # sparse gradients are collected after the backward
+                return
+            if self._written[i]:
+                slot.add_(g)  # a second accumulation (no_sync, a parameter reused across checkpoints)
+            else:
+                slot.copy_(g)
+                self._written[i] = 1
+            p.grad = None
+            if self._report_call < 0:
+                return
+            if self._fresh[i]:
+                if any(self._reported[b] for b in self._bucket_of[i]):
+                    self._late = True  # its bucket left with an earlier value
+                return
+            self._fresh[i] = 1
+            for b in self._bucket_of[i]:
+                self._left[b] -= 1
+                if self._left[b] == 0:
+                    self._reported[b] = 1
+                    assert self.notify is not None
+                    self.notify(P.BucketReady(self._report_call, b))
+
+        return hook
 
     def _enter_collective(self, world: int) -> None:
         coll = self.collective
@@ -228,8 +290,11 @@ class Replica:
                 m.training = bool(flag)
             self._training = training
         if requires_grad != self._requires_grad:
-            for p, flag in zip(self.params, requires_grad):
+            for i, (p, flag) in enumerate(zip(self.params, requires_grad)):
                 p.requires_grad_(bool(flag))
+                if not flag:  # frozen: its slot holds zeros, not a stale gradient, in every sum
+                    self.grad_views[i].zero_()
+                    self._written[i] = 0
             self._requires_grad = requires_grad
 
     def _sync(self) -> None:
@@ -332,30 +397,48 @@ class Replica:
                 grads.append(read(gseg.views, meta))
         if msg.keep_as:
             return self._backward_create_graph(msg, call, roots, grads, giseg, t0)
-        if not self._holding:
+        if not self._holding:  # a fresh accumulation (a failed backward's partial one is dropped too)
             for p in self.params:
                 p.grad = None
+            self._written = bytearray(len(self.params))
+        report = bool(self._bucket_sizes) and not msg.hold and not self.on_gpu
+        if report:  # count each bucket's parameters that take a gradient in this backward
+            self._report_call, self._late = msg.call, False
+            self._fresh = bytearray(len(self.params))
+            self._reported = bytearray(len(self._bucket_sizes))
+            self._left = list(self._bucket_sizes)
+            for i, p in enumerate(self.params):
+                if not p.requires_grad:
+                    for b in self._bucket_of[i]:
+                        self._left[b] -= 1
         if roots:
             self._enter_collective(call.world)
+            self._to_slot = True
             try:
                 _run_backward(roots, grads)
             finally:
+                self._to_slot = False
+                self._report_call = -1
                 _set_collective(None)
         mask = bytearray(len(self.params))
         sparse: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._holding = msg.hold  # no_sync: gradients stay here, accumulating, until a backward without hold
-        for i, p in enumerate(self.params):
-            if p.requires_grad and not msg.hold:
+        if not msg.hold:
+            for i, p in enumerate(self.params):
+                if not p.requires_grad:
+                    continue
                 g = p.grad
                 if g is not None and g.is_sparse:  # nn.Embedding(sparse=True): indices and values travel
                     g = g.coalesce()
                     sparse.append((i, g.indices(), g.values()))
                     mask[i] = 2
                     p.grad = None
-                elif g is not None:
-                    self.grad_views[i].copy_(g)
+                elif g is not None:  # set without autograd's accumulation (no hook ran): into the slot
+                    self.grad_views[i].add_(g) if self._written[i] else self.grad_views[i].copy_(g)
                     mask[i] = 1
                     p.grad = None
+                elif self._written[i]:
+                    mask[i] = 1
                 else:
                     self.grad_views[i].zero_()
         smetas: list[Any] = []
@@ -377,7 +460,8 @@ class Replica:
             leaf.grad = None
         self.stage = "idle"
         self._sync()
-        return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0, smetas, sparse_need)
+        return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0, smetas, sparse_need,
+                              report and self._late)
 
     def _backward_create_graph(self, msg: P.Backward, call: _Call, roots: list[torch.Tensor],
                                grads: list[torch.Tensor], giseg: Mapped, t0: float) -> P.Message:
@@ -426,7 +510,7 @@ class Replica:
             metas.append(Placer.write(giseg.views, off, r.detach()))
         self.calls[msg.keep_as] = _Call(results, gleaves + list(call.leaves), call.world)
         self.stage = "idle"
-        return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0, [], 0)
+        return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0, [], 0, False)
 
     def _write_sparse(self, sparse: list[tuple[int, torch.Tensor, torch.Tensor]], ref: list) -> tuple[list, int]:
         """Write sparse gradients into the segment ``ref``; (metas, 0), or ([], bytes needed) if too small."""

@@ -311,6 +311,7 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
                 raise ClientGone()
 
     replica.collective = _Collective(send, recv)
+    replica.notify = send  # bucket_ready reports during a backward (cross-node overlap)
     on_gpu = session.device.startswith("cuda")
     from dpool.gpu import sticky_error
     from dpool.transport.cuda_ipc import drop_imports
