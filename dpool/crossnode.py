@@ -16,16 +16,18 @@ What crosses the nodes, always in the same order on every rank:
 * at every training forward (grad mode, ``module.training``, outside ``no_sync()``): a *header*
   (below), then rank 0's buffers for ``buffers="first"`` (DDP's ``broadcast_buffers``); after the
   forward, for ``"average"`` and ``"sync"``, one all-reduce of the nodes' buffer statistics;
-* at every backward outside ``no_sync()`` (:class:`CrossNodeReducer`): a header, then the
-  gradient groups in buckets (DDP's sizes: 1 MiB first, then 25 MiB, from the last parameter),
-  each bucket's all-reduce started as soon as its local sum is made, so the summing of the next
-  bucket overlaps it;
+* at every backward outside ``no_sync()`` (:class:`CrossNodeReducer`): a header, launched as the
+  workers' round starts; then the gradient groups in buckets (DDP's sizes: 1 MiB first, then
+  25 MiB, from the last parameter), each launched as soon as every local worker reported it
+  complete during its backward (``bucket_ready``), so the exchange runs behind the rest of the
+  backward, as DDP's does; the last bucket carries a *trailer* in front of it;
 * SyncBatchNorm's statistics, all-reduced across nodes after the node's own sum.
 
-The header is an all-gather of a fixed-size int64 vector: (kind, collective number, training
-forward number, rows) and the parameters' local "used" mask. Every rank compares the positions
-and raises :class:`~dpool.errors.CollectiveDesyncError` (naming where each rank is) when they
-differ, before anything is combined; the mask's union is which parameters get a gradient.
+The header is an all-gather of three int64: (kind, collective number, training forward number).
+Every rank compares them and raises :class:`~dpool.errors.CollectiveDesyncError` (naming where each
+rank is) when they differ, before any bucket leaves. The trailer is this rank's "late" flag and its
+parameters' local "used" mask, as 0/1 values summed with the last bucket: their union is which
+parameters get a gradient.
 
 Every wait is bounded by :class:`dpool.peers.Peers` (heartbeats, abort key, ``peer_timeout_s``).
 Gradients reach ``.grad`` only after every collective of the step completed, so a failed step
@@ -128,8 +130,6 @@ class CrossNode:
         self.mask_len = 0
         self._header: torch.Tensor | None = None
         self._headers: list[torch.Tensor] = []
-        self._trailer: torch.Tensor | None = None
-        self._trailers: list[torch.Tensor] = []
         if auto and self.rank == 0:
             log.warning("dpool: cross-node mode over the default process group (%d nodes, %s); pass "
                         "process_group=None to stay on one node", self.size, self.backend)
@@ -243,20 +243,6 @@ class CrossNode:
                 "a batch). Nothing was combined; the master module is unchanged.",
                 rank=odd, host=p.host, pid=p.pid, step=self.step)
 
-    def trailer(self, mask: bytes | bytearray, late: bool) -> tuple[bytearray, bool]:
-        """After a backward's buckets: the union of the ranks' "used" masks, and whether any rank was ``late``."""
-        if self._trailer is None:
-            self._trailer = torch.zeros(1 + self.mask_len, dtype=torch.uint8, device=self.comm_device)
-            self._trailers = [torch.zeros_like(self._trailer) for _ in range(self.size)]
-        t = self._trailer
-        t[0] = int(late)
-        t[1:1 + len(mask)].copy_(torch.frombuffer(bytearray(mask), dtype=torch.uint8) if mask else t[1:1])
-        work = self.dist.all_gather(self._trailers, t, group=self.group, async_op=True)
-        self.collectives += 1
-        self.peers.wait(work, "combining which parameters have gradients", self.step)
-        union = torch.stack(self._trailers).amax(0).cpu()
-        return bytearray(union[1:].numpy().tobytes()), bool(union[0])
-
     def broadcast(self, t: torch.Tensor, doing: str) -> None:
         """Rank 0's ``t`` into every rank's ``t`` (bounded wait)."""
         self.peers.wait(self.dist.broadcast(t, 0, group=self.group, async_op=True), doing, self.step)
@@ -283,9 +269,12 @@ class CrossNodeReducer(Reducer):
     1. a *header* (its kind and position, checked before the first bucket leaves, so ranks that are out
        of step never combine anything), launched as the round starts;
     2. every bucket (:func:`_buckets`, groups in order), whether or not a local shard used it;
-    3. a *trailer*: the ranks' "used" masks (their union decides which parameters get a gradient: one
-       used on any node gets the average, the nodes that did not use it contribute zeros, one used
-       nowhere stays ``None`` everywhere), and whether a shard was ``late``.
+    3. with the last bucket (the group's first parameters, whose gradients come last), a *trailer* in
+       front of it: whether a shard was ``late``, and the "used" mask as 0/1 values, unscaled, so the
+       SUM counts the nodes that used each parameter (their union decides which parameters get a
+       gradient: one used on any node gets the average, the nodes that did not use it contribute
+       zeros, one used nowhere stays ``None`` everywhere). The last bucket therefore always leaves
+       after the round; the trailer costs no collective of its own.
 
     With ``overlap``, a bucket is summed and launched *during* the round, as soon as every local shard
     reported it complete (``bucket_ready``) and the buckets before it left, so its exchange runs while
@@ -323,6 +312,9 @@ class CrossNodeReducer(Reducer):
                 first = [(layout.param_offsets[i] - start) // el for i in idxs]
                 self.members.append([i for i, f in zip(idxs, first) if f < b and f + self.params[i].numel() > a])
         self._pairs: list[list[torch.Tensor] | None] = [None] * len(self.plan)  # all-gather outputs, made once
+        self._pre = 1 + len(self.params)  # the trailer: late flag, then one "used" value per parameter
+        self._mask = bytearray()
+        self._late = False
         self._slots: Sequence[Sequence[torch.Tensor]] | None = None
         self._call = -1
         self._counts: list[int] = []
@@ -341,10 +333,13 @@ class CrossNodeReducer(Reducer):
         self._slots = slots
         self._header = nodes.start_header(BACKWARD, at)
         self._header_checked = False
-        # new memory every step: the master's gradients are views of it
-        self._totals = [torch.empty((self.layout.param_groups[g][2] - self.layout.param_groups[g][1])
-                                    // slots[0][g].element_size(), dtype=slots[0][g].dtype, device=self.device)
-                        for g in self.groups]
+        # new memory every step: the master's gradients are views of it. The last group's starts with the
+        # trailer's room: the last bucket to leave carries this rank's late flag and "used" mask with it
+        self._totals = []
+        for gi, g in enumerate(self.groups):
+            numel = (self.layout.param_groups[g][2] - self.layout.param_groups[g][1]) // slots[0][g].element_size()
+            pre = self._pre if gi == len(self.groups) - 1 else 0
+            self._totals.append(torch.empty(pre + numel, dtype=slots[0][g].dtype, device=self.device)[pre:])
         self._works = []
         self._next = 0
         if not self.overlap:
@@ -359,7 +354,7 @@ class CrossNodeReducer(Reducer):
             return  # a report from an abandoned round
         self._counts[bucket] += 1
         k = len(self._slots)
-        while self._next < len(self.plan) and self._counts[self._next] >= k:
+        while self._next < len(self.plan) - 1 and self._counts[self._next] >= k:  # the last carries the trailer
             self._launch(self._next)
             self.early += 1
 
@@ -383,6 +378,11 @@ class CrossNodeReducer(Reducer):
         else:
             out.copy_(views[0])
         out.mul_(1.0 / nodes.size)  # DDP's order: 1/N first (no overflow in half precision), then the SUM
+        if j == len(self.plan) - 1:  # the trailer rides in front of the last bucket, unscaled: a SUM of 0/1
+            trailer = self._totals[gi].as_strided((self._pre,), (1,), self._totals[gi].storage_offset() - self._pre)
+            trailer[0] = float(self._late)
+            trailer[1:].copy_(torch.frombuffer(self._mask, dtype=torch.uint8))
+            out = self._totals[gi].as_strided((self._pre + b,), (1,), trailer.storage_offset())
         if nodes.size == 2:
             pair = self._pairs[j]
             if pair is None:
@@ -393,8 +393,9 @@ class CrossNodeReducer(Reducer):
         nodes.collectives += 1
         self._next = j + 1
 
-    def _finish(self) -> None:
-        """Launch the buckets not launched yet; wait for all of them."""
+    def _finish(self) -> tuple[bytearray, bool]:
+        """Launch the buckets not launched yet; wait for all of them. Returns the trailer: the union of
+        the ranks' "used" masks and whether any rank was late."""
         nodes = self.nodes
         while self._next < len(self.plan):
             self._launch(self._next)
@@ -403,16 +404,21 @@ class CrossNodeReducer(Reducer):
             if pair is not None:
                 torch.add(pair[0], pair[1], out=out)
         self._works = []
+        if not self.plan:
+            return self._mask, False
+        last = self._totals[-1]
+        trailer = last.as_strided((self._pre,), (1,), last.storage_offset() - self._pre)
+        used = (trailer > 0).to(torch.uint8)
+        return bytearray(used[1:].numpy().tobytes()), bool(used[0])
 
     def combine(self, slots: Sequence[Sequence[torch.Tensor]], mask: bytearray, at: int, late: bool = False
                 ) -> tuple[list[int], list[torch.Tensor], bytearray]:
-        nodes = self.nodes
         if self._slots is None:  # no begin(): a round without reports
             self.begin(slots, -1, at)
             self._call = -1
         try:
-            self._finish()
-            union, late = nodes.trailer(mask, late and self.overlap)  # (once off, every rank ignores it)
+            self._mask, self._late = mask, late and self.overlap  # (once off, every rank ignores it)
+            union, late = self._finish()
             if late:  # what some rank sent early was stale: every rank combines the complete slots again
                 if self.overlap:
                     log.info("dpool: a parameter's gradient grew after its bucket was exchanged (a parameter used "

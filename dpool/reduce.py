@@ -85,7 +85,8 @@ class Reducer:
                     p = self.params[i]
                     a = (self.layout.param_offsets[i] - start) // p.element_size()
                     st = self.strides[i]  # the gradient in the parameter's memory format
-                    grads[i] = total.as_strided(p.shape, st, a) if st else total[a:a + p.numel()].view(p.shape)
+                    grads[i] = (total.as_strided(p.shape, st, total.storage_offset() + a) if st
+                                else total[a:a + p.numel()].view(p.shape))
         return grads
 
     def _sum(self, views: list[torch.Tensor]) -> torch.Tensor:
