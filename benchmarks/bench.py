@@ -346,7 +346,7 @@ def attach_demo(repeats: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default="mlp,cnn,lstm,probe")
+    ap.add_argument("--workloads", default="mlp,cnn,lstm,probe,resnet18")
     ap.add_argument("--setups", default="single,dp,ddp,dpool,ideal,ceiling")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="steps per repeat (default: per workload)")
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     all_results: dict[str, Any] = {}
     for wname in workloads:
-        steps = a.steps or {"mlp": 30, "cnn": 4, "lstm": 10, "probe": 300}[wname]
+        steps = a.steps or {"mlp": 30, "cnn": 4, "lstm": 10, "probe": 300, "resnet18": 3}[wname]
         r = bench([wname], setups, a.workers, steps, a.warmup, a.repeats)
         if not all_results:
             all_results = r

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from tests.helpers import PYPATH, ROOT
 
 
@@ -92,3 +94,15 @@ def test_benchmark_cross_node_setup_smoke(tmp_path):
     entry = json.loads((tmp_path / "smoke.json").read_text())["workloads"]["probe"]
     assert set(entry["setups"]) == {"nodes", "ddp"} and entry["nodes_exposed_collective_ms_per_step"] >= 0
     assert "nodes/ddp" in res.stdout
+
+
+def test_resnet18_workload_is_torchvisions_layout():
+    """The benchmark's ResNet-18 (torchvision is not a dependency) has torchvision's resnet18's 11,689,512
+    parameters and its 1000-class output at 64x64."""
+    from benchmarks.workloads import WORKLOADS
+
+    w = WORKLOADS["resnet18"]
+    net = w.make()
+    assert sum(p.numel() for p in net.parameters()) == 11_689_512
+    x, y = w.batch(2, torch.Generator().manual_seed(0))
+    assert net(x).shape == (2, 1000) and x.shape == (2, 3, 64, 64)
