@@ -27,6 +27,7 @@ import os
 import pickle
 import sys
 import time
+import weakref
 from typing import Any, Callable
 
 import cloudpickle
@@ -238,34 +239,40 @@ class Replica:
         return P.InitDone(len(self.params), len(self.buffer_views))
 
     def _to_slot_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        """Parameter ``i``'s post-accumulate hook: its gradient into the slot (and its bucket's count)."""
+        """Parameter ``i``'s post-accumulate hook: its gradient into the slot (and its bucket's count).
+
+        The hook holds the replica weakly: parameter → hook → replica → parameter would be a cycle that
+        keeps a detached client's model (and its mapped memory) alive until the garbage collector runs.
+        """
         slot = self.grad_views[i]
+        ref = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:
-            if not self._to_slot:  # create_graph, or autograd run by the model itself: .grad stays
+            me = ref()
+            if me is None or not me._to_slot:  # create_graph, or autograd run by the model itself: .grad stays
                 return
             g = p.grad
             if g is None or g.is_sparse:  # sparse gradients are collected after the backward
                 return
-            if self._written[i]:
+            if me._written[i]:
                 slot.add_(g)  # a second accumulation (no_sync, a parameter reused across checkpoints)
             else:
                 slot.copy_(g)
-                self._written[i] = 1
+                me._written[i] = 1
             p.grad = None
-            if self._report_call < 0:
+            if me._report_call < 0:
                 return
-            if self._fresh[i]:
-                if any(self._reported[b] for b in self._bucket_of[i]):
-                    self._late = True  # its bucket left with an earlier value
+            if me._fresh[i]:
+                if any(me._reported[b] for b in me._bucket_of[i]):
+                    me._late = True  # its bucket left with an earlier value
                 return
-            self._fresh[i] = 1
-            for b in self._bucket_of[i]:
-                self._left[b] -= 1
-                if self._left[b] == 0:
-                    self._reported[b] = 1
-                    assert self.notify is not None
-                    self.notify(P.BucketReady(self._report_call, b))
+            me._fresh[i] = 1
+            for b in me._bucket_of[i]:
+                me._left[b] -= 1
+                if me._left[b] == 0:
+                    me._reported[b] = 1
+                    assert me.notify is not None
+                    me.notify(P.BucketReady(me._report_call, b))
 
         return hook
 
