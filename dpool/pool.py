@@ -130,6 +130,7 @@ class Pool:
         self.key = secrets.token_bytes(32)
         self._pending = [0] * len(self.devices)
         self.workers = [Worker(i, d) for i, d in enumerate(self.devices)]
+        self._by_ident: dict[bytes, int] = {}  # routing identity → worker index (checked against workers)
         self._ctx = zmq.Context()
         self.chan = Channel(self._ctx, True, self.key, config.max_message_bytes, send_timeout_ms=5000,
                             on_reject=self._rejected)
@@ -398,8 +399,12 @@ class Pool:
         return out
 
     def _index_of(self, ident: bytes) -> int:
-        for w in self.workers:
+        idx = self._by_ident.get(ident)
+        if idx is not None and self.workers[idx].ident == ident:
+            return idx
+        for w in self.workers:  # a new worker (or a respawned one's new identity)
             if w.ident == ident:
+                self._by_ident[ident] = w.index
                 return w.index
         return -1
 

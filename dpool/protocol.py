@@ -2,7 +2,11 @@
 
 A control message is one ZeroMQ frame (plus the routing identity a ROUTER adds)::
 
-    mac (32 bytes, HMAC-SHA256 of payload) ‖ payload (msgpack)
+    mac (32 bytes: keyed BLAKE2b-256 of payload) ‖ payload (msgpack)
+
+The MAC is BLAKE2b in its keyed mode, which is a MAC by design (RFC 7693; Python's
+``hashlib`` documents it as a faster replacement for HMAC): a third of HMAC-SHA256's
+cost on a control message, and four of them are computed per worker per step.
 
 One frame rather than two saves a send and a receive per message on the hot path.
 
@@ -32,7 +36,9 @@ report during a backward) and ``shutdown`` (no answer).
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
+import operator
 import sys
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar, NamedTuple, TypeVar
@@ -49,6 +55,7 @@ from .errors import AuthError, ProtocolError
 __all__ = [
     "PROTOCOL_VERSION",
     "Codec",
+    "mac",
     "Message",
     "MESSAGES",
     "Boot",
@@ -88,7 +95,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 6  # 6: bucket_ready (gradient buckets reported during backward); backward_done's late
+PROTOCOL_VERSION = 7  # 7: keyed BLAKE2b MACs instead of HMAC-SHA256
+# 6: bucket_ready (gradient buckets reported during backward); backward_done's late
 # 5: a typed boot message; inspect replaces release (used only by tests)
 # 3: forward carries a seed drawn from the coordinator's generator; sparse gradients; parameter strides;
 #    backward keep_as (higher-order gradients)
@@ -122,9 +130,12 @@ class Message:
     _types: ClassVar[dict[str, tuple[type, ...]]]
 
     _names: ClassVar[tuple[str, ...]]
+    # (index, name, allowed types, bool allowed) of each field Codec checks; metas fields have _METAS
+    _checks: ClassVar[tuple[tuple[int, str, Any, bool], ...]]
+    _values: ClassVar[Callable[[Any], tuple]]  # a staticmethod: _field_getter(_names)
 
     def body(self) -> list[Any]:
-        return [getattr(self, n) for n in self._names]
+        return list(self._values(self))  # type: ignore[call-arg]
 
 
 _NONE = type(None)
@@ -139,6 +150,16 @@ _METAS = (list, "metas")  # a list of TensorMeta (or None), checked and typed by
 _M = TypeVar("_M", bound="Message")
 
 
+def _field_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
+    """A function that returns a message's field values, in order, as a tuple."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    if names:
+        one = operator.attrgetter(names[0])
+        return lambda m: (one(m),)
+    return lambda m: ()
+
+
 @dataclass_transform()
 def _message(op: str, **types: Any) -> Callable[[type[_M]], type[_M]]:
     """Make a slotted dataclass message with op name ``op`` and the allowed python types of each field."""
@@ -147,7 +168,11 @@ def _message(op: str, **types: Any) -> Callable[[type[_M]], type[_M]]:
         cls = dataclass(slots=True)(cls)
         cls.op = op
         cls._types = types
-        cls._names = tuple(types)
+        cls._names = names = tuple(types)
+        cls._checks = tuple((i, name, allowed, bool in allowed) for i, (name, allowed) in enumerate(types.items())
+                            if allowed != (object,))
+        # the field values in order, as a tuple (attrgetter runs in C)
+        cls._values = staticmethod(_field_getter(names))  # type: ignore[assignment]
         assert [f.name for f in fields(cls)] == list(types), cls  # type: ignore[arg-type]
         return cls
 
@@ -531,6 +556,11 @@ class AttachDone(Message):
     daemon_pid: int
 
 
+def mac(key: bytes, payload: bytes) -> bytes:
+    """The 32-byte MAC of ``payload`` under ``key`` (16 to 64 bytes): keyed BLAKE2b-256."""
+    return hashlib.blake2b(payload, key=key, digest_size=MAC_SIZE).digest()
+
+
 def session_key(pool_key: bytes, nonce: bytes) -> bytes:
     """The key of one client session: HMAC-SHA256 of ``nonce`` under the pool's key."""
     if len(nonce) < 16:
@@ -619,16 +649,17 @@ class Codec:
     """
 
     def __init__(self, key: bytes, max_bytes: int = 64 * 1024 * 1024) -> None:
-        if len(key) < 16:
-            raise ValueError("dpool auth key must be at least 16 bytes")
+        if not 16 <= len(key) <= 64:
+            raise ValueError("dpool auth key must be 16 to 64 bytes")
         self._key = key
         self.max_bytes = max_bytes
 
     def _mac(self, payload: bytes) -> bytes:
-        return hmac.digest(self._key, payload, "sha256")
+        return mac(self._key, payload)
 
     def encode(self, msg: Message, seq: int) -> bytes:
-        payload = msgpack.packb([PROTOCOL_VERSION, msg.op, seq, msg.body()], use_bin_type=True)
+        payload = msgpack.packb([PROTOCOL_VERSION, msg.op, seq, msg._values(msg)],  # type: ignore[call-arg]
+                                use_bin_type=True)
         return self._mac(payload) + payload
 
     def decode(self, frames: list[bytes]) -> tuple[int, Message]:
@@ -667,16 +698,13 @@ class Codec:
             raise ProtocolError(f"unknown op {op!r}")
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
             raise ProtocolError(f"bad sequence number {seq!r}")
-        types = cls._types
-        if not isinstance(body, list) or len(body) != len(types):
-            raise ProtocolError(f"{op}: expected {len(types)} fields")
-        for i, ((name, allowed), value) in enumerate(zip(types.items(), body)):
-            if allowed == (object,):
-                continue
+        if not isinstance(body, list) or len(body) != len(cls._names):
+            raise ProtocolError(f"{op}: expected {len(cls._names)} fields")
+        for i, name, allowed, bool_ok in cls._checks:
+            value = body[i]
             if allowed is _METAS:
                 body[i] = _metas(op, name, value)
-                continue
-            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            elif not isinstance(value, allowed) or (not bool_ok and isinstance(value, bool)):
                 raise ProtocolError(f"{op}.{name}: unexpected {type(value).__name__}")
         return seq, cls(*body)
 

@@ -139,9 +139,7 @@ KEY = b"k" * 32
 
 
 def _frame(payload: bytes, key: bytes = KEY) -> list[bytes]:
-    import hmac
-
-    return [hmac.digest(key, payload, "sha256") + payload]
+    return [P.mac(key, payload) + payload]
 
 
 V = P.PROTOCOL_VERSION
