@@ -43,6 +43,16 @@ class Reducer:
         self.params = list(params)
         self.strides = list(strides)
         self.device = device
+        # Per parameter: its gradient's shape, strides (its memory format) and element offset in its
+        # group, so that each gradient is one strided view of the group's total.
+        self._views: list[tuple[torch.Size, tuple[int, ...], int]] = []
+        for i, p in enumerate(self.params):
+            group_start = next(start for _, start, _, idxs in layout.param_groups if i in idxs)
+            st = self.strides[i]
+            self._views.append((p.shape, tuple(st) if st else _row_major(p.shape),
+                                (layout.param_offsets[i] - group_start) // p.element_size()))
+        # slots of workers on other GPUs are summed on the master's; CPU slots are already in place
+        self._move = device.type != "cpu"
 
     def bucket_members(self) -> list[list[int]]:
         """Per gradient bucket the workers report during a backward, its parameters' indices (none here)."""
@@ -78,20 +88,19 @@ class Reducer:
                     mask[i] = 1
         groups, totals, mask = self.combine(slots, mask, at, late)
         grads: list[torch.Tensor | None] = [None] * len(self.params)
+        views = self._views
         for g, total in zip(groups, totals):
-            _, start, _, idxs = self.layout.param_groups[g]
-            for i in idxs:
+            base = total.storage_offset()
+            for i in self.layout.param_groups[g][3]:
                 if mask[i]:
-                    p = self.params[i]
-                    a = (self.layout.param_offsets[i] - start) // p.element_size()
-                    st = self.strides[i]  # the gradient in the parameter's memory format
-                    grads[i] = (total.as_strided(p.shape, st, total.storage_offset() + a) if st
-                                else total[a:a + p.numel()].view(p.shape))
+                    shape, stride, a = views[i]
+                    grads[i] = total.as_strided(shape, stride, base + a)
         return grads
 
     def _sum(self, views: list[torch.Tensor]) -> torch.Tensor:
         """One group's sum over shards, in new memory on :attr:`device` (the slots are reused next step)."""
-        views = [v.to(self.device) for v in views]  # replicas on other GPUs: summed on the master's (no-op here)
+        if self._move:
+            views = [v.to(self.device) for v in views]  # replicas on other GPUs: summed on the master's
         total = torch.add(views[0], views[1]) if len(views) > 1 else views[0].clone()
         for v in views[2:]:
             total.add_(v)
@@ -115,6 +124,14 @@ class Reducer:
         """
         groups = [g for g, (_, _, _, idxs) in enumerate(self.layout.param_groups) if any(mask[i] for i in idxs)]
         return groups, [self._sum([s[g] for s in slots]) for g in groups], mask
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def sum_sparse(grads: list[torch.Tensor | None], parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
