@@ -3,6 +3,7 @@
     python benchmarks/bench.py                     # full run: every workload, every setup
     python benchmarks/bench.py --smoke             # a few steps; runs inside the test suite
     python benchmarks/bench.py --workloads cnn --setups single,dpool
+    python benchmarks/bench.py --per-worker        # coordinator CPU per probe step at 1, 2, 4, 8 workers
 
 Method: every setup is built once and warmed up; then repeats are interleaved
 (A B C … A B C …) so that machine noise hits every setup alike. Each repeat
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -344,6 +346,97 @@ def attach_demo(repeats: int) -> str:
                       *rows, f"| **attached speed-up** | **{emb / att:.1f}×** |"])
 
 
+def _zmq_echo(endpoint: str) -> None:
+    """A bare ZeroMQ peer for per_worker(): answers every frame with itself, until b"bye"."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send(b"hi")
+    while (frame := sock.recv()) != b"bye":
+        sock.send(frame)
+    sock.close(0)
+    ctx.term()
+
+
+def _zmq_rounds(peers: int, rounds: int) -> float:
+    """The coordinator's CPU seconds per two bare ZeroMQ round trips (one ROUTER, ``peers`` DEALERs, 150-byte frames)."""
+    import tempfile
+
+    import zmq
+
+    tmp = tempfile.mkdtemp(prefix="dpool-bench-")
+    endpoint = f"ipc://{tmp}/s"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    procs = [mp.get_context("spawn").Process(target=_zmq_echo, args=(endpoint,)) for _ in range(peers)]
+    for p in procs:
+        p.start()
+    try:
+        idents = [router.recv_multipart()[0] for _ in range(peers)]
+        more, frame = int(zmq.SNDMORE), b"x" * 150
+
+        def one_round() -> None:
+            for ident in idents:
+                router.send(ident, more)
+                router.send(frame)
+            for _ in idents:
+                router.recv_multipart()
+
+        for _ in range(50):
+            one_round()
+        c0 = time.process_time()
+        for _ in range(rounds):
+            one_round()
+            one_round()
+        return (time.process_time() - c0) / rounds
+    finally:
+        for ident in idents:
+            router.send_multipart([ident, b"bye"])
+        for p in procs:
+            p.join(10)
+        router.close(0)
+        ctx.term()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def per_worker(counts: list[int], steps: int, repeats: int) -> str:
+    """The coordinator's CPU time per probe step at each worker count, beside bare ZeroMQ's share of it.
+
+    CPU time, not wall time: 8 workers oversubscribe 2 cores, and the question is what each added
+    worker costs the coordinator. The bare column is two ZeroMQ round trips to as many Python peers
+    (what a step's forward and backward rounds cost before any of dpool's own work).
+    """
+    import dpool
+
+    w = WORKLOADS["probe"]
+    g = torch.Generator().manual_seed(0)
+    data = [w.batch(w.global_batch, g) for _ in range(4)]
+    rows = []
+    for n in counts:
+        torch.manual_seed(0)
+        model = dpool.wrap(w.make(), ["cpu"] * n, worker_threads=1)
+        opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
+        _steps(model, opt, w, data, 20)
+        cpu, wall = [], []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            wall.append(_steps(model, opt, w, data, steps) / steps)
+            cpu.append((time.process_time() - c0) / steps)
+        model.close()
+        bare = statistics.median(_zmq_rounds(n, steps) for _ in range(repeats))
+        rows.append((n, statistics.median(cpu), statistics.median(wall), bare))
+    lines = ["| workers | coordinator CPU ms/step | wall ms/step | bare ZeroMQ, 2 rounds: CPU ms |", "|---|---|---|---|"]
+    lines += [f"| {n} | {c * 1e3:.3f} | {t * 1e3:.3f} | {b * 1e3:.3f} |" for n, c, t, b in rows]
+    (n0, c0, _, b0), (n1, c1, _, b1) = rows[0], rows[-1]
+    if n1 > n0:
+        lines.append(f"| per added worker ({n0}→{n1}) | {(c1 - c0) / (n1 - n0) * 1e3:.3f} | | "
+                     f"{(b1 - b0) / (n1 - n0) * 1e3:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mlp,cnn,lstm,probe,resnet18")
@@ -357,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the start-up measurement: wrap() to first step, warm daemon against spawning")
     ap.add_argument("--balance-demo", action="store_true",
                     help="only the balanced-shards demo: one slowed worker, even shards against balance='auto'")
+    ap.add_argument("--per-worker", action="store_true",
+                    help="only the cost per added worker: coordinator CPU per probe step at 1, 2, 4, 8 workers")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args(argv)
     workloads = a.workloads.split(",")
@@ -366,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.attach_demo:
         torch.set_num_threads(1)
         print(attach_demo(1 if a.smoke else a.repeats))
+        return 0
+    if a.per_worker:
+        torch.set_num_threads(1)
+        print(per_worker([1, 2] if a.smoke else [1, 2, 4, 8], a.steps or (5 if a.smoke else 300),
+                         1 if a.smoke else a.repeats))
         return 0
     if a.balance_demo:
         torch.set_num_threads(1)
