@@ -45,12 +45,15 @@ class Reducer:
         self.device = device
         # Per parameter: its gradient's shape, strides (its memory format) and element offset in its
         # group, so that each gradient is one strided view of the group's total.
+        group_start = [0] * len(self.params)
+        for _, start, _, idxs in layout.param_groups:
+            for i in idxs:
+                group_start[i] = start
         self._views: list[tuple[torch.Size, tuple[int, ...], int]] = []
         for i, p in enumerate(self.params):
-            group_start = next(start for _, start, _, idxs in layout.param_groups if i in idxs)
             st = self.strides[i]
             self._views.append((p.shape, tuple(st) if st else _row_major(p.shape),
-                                (layout.param_offsets[i] - group_start) // p.element_size()))
+                                (layout.param_offsets[i] - group_start[i]) // p.element_size()))
         # slots of workers on other GPUs are summed on the master's; CPU slots are already in place
         self._move = device.type != "cpu"
 
@@ -127,6 +130,7 @@ class Reducer:
 
 
 def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    """A contiguous tensor's strides for ``shape`` (what ``torch.empty(shape).stride()`` gives)."""
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
