@@ -307,9 +307,9 @@ class CrossNodeReducer(Reducer):
         for gi, g in enumerate(self.groups):
             dtype, start, end, idxs = layout.param_groups[g]
             el = self.params[idxs[0]].element_size()
+            first = [self._views[i][2] for i in idxs]  # each parameter's element offset in its group
             for a, b in _buckets((end - start) // el, el):
                 self.plan.append((gi, a, b))
-                first = [(layout.param_offsets[i] - start) // el for i in idxs]
                 self.members.append([i for i, f in zip(idxs, first) if f < b and f + self.params[i].numel() > a])
         self._pairs: list[list[torch.Tensor] | None] = [None] * len(self.plan)  # all-gather outputs, made once
         self._pre = 1 + len(self.params)  # the trailer: late flag, then one "used" value per parameter
@@ -369,14 +369,7 @@ class CrossNodeReducer(Reducer):
         assert self._slots is not None
         gi, a, b = self.plan[j]
         g = self.groups[gi]
-        out = self._totals[gi][a:b]
-        views = [s[g][a:b].to(self.device) for s in self._slots]
-        if len(views) > 1:
-            torch.add(views[0], views[1], out=out)
-            for v in views[2:]:
-                out.add_(v)
-        else:
-            out.copy_(views[0])
+        out = self._sum([s[g][a:b] for s in self._slots], self._totals[gi][a:b])
         out.mul_(1.0 / nodes.size)  # DDP's order: 1/N first (no overflow in half precision), then the SUM
         if j == len(self.plan) - 1:  # the trailer rides in front of the last bucket, unscaled: a SUM of 0/1
             trailer = self._totals[gi].as_strided((self._pre,), (1,), self._totals[gi].storage_offset() - self._pre)

@@ -100,11 +100,17 @@ class Reducer:
                     grads[i] = total.as_strided(shape, stride, base + a)
         return grads
 
-    def _sum(self, views: list[torch.Tensor]) -> torch.Tensor:
-        """One group's sum over shards, in new memory on :attr:`device` (the slots are reused next step)."""
+    def _sum(self, views: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum of ``views`` (one per shard) on :attr:`device`: into ``out``, or new memory (the slots
+        are reused next step)."""
         if self._move:
             views = [v.to(self.device) for v in views]  # replicas on other GPUs: summed on the master's
-        total = torch.add(views[0], views[1]) if len(views) > 1 else views[0].clone()
+        if len(views) > 1:
+            total = torch.add(views[0], views[1], out=out)
+        elif out is None:
+            total = views[0].clone()
+        else:
+            total = out.copy_(views[0])
         for v in views[2:]:
             total.add_(v)
         return total
