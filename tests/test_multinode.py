@@ -8,6 +8,7 @@ All runs of a module start at once, so the 2-core machine overlaps their start-u
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -29,8 +30,32 @@ from tests.multinode import batches, make_deep, make_net, rows_of
 pytestmark = pytest.mark.slow
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Below the kernel's ephemeral range: a port the kernel handed out (bind to port 0) can be handed again
+# to one of the many gloo connections of the runs started in parallel before rank 0 binds it (EADDRINUSE
+# seen in CI). Each run of this process takes the next candidate; another process starts elsewhere.
+_PORTS = itertools.count(10000 + (os.getpid() % 400) * 50)
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port outside the ephemeral range, free now, not used by an earlier run of this process."""
+    for port in _PORTS:
+        if port >= _ephemeral_low():
+            break
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range ran out: fall back to the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
