@@ -33,6 +33,7 @@ import threading
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import cloudpickle
+import psutil
 import torch
 
 from . import gather as _gather, scatter as _scatter, tree as _tree
@@ -164,6 +165,9 @@ class Runtime:
         self.layout = master.layout
         self._buffers = BufferCommit(self.buffer_policy, self.module, master.buffers, self.layout.buffer_offsets,
                                      master.buffer_views)
+        old = self.__dict__.get("reducer")
+        if old is not None:  # re-binding a changed model: the old reducer's helper threads go
+            old.close()
         self.reducer: Reducer
         # cross-node: whether a training forward exchanges anything (buffers, SyncBatchNorm statistics)
         self._forward_collectives = self.layout.buffer_range is not None or any(
@@ -177,7 +181,10 @@ class Runtime:
             self.reducer = CrossNodeReducer(self.layout, master.params, master.param_strides, self.device, self.nodes,
                                             overlap)
         else:
-            self.reducer = Reducer(self.layout, master.params, master.param_strides, self.device)
+            # a large sum may use the workers' cores: they are idle while it runs
+            cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+            self.reducer = Reducer(self.layout, master.params, master.param_strides, self.device,
+                                   threads=min(cores, self.pool.threads * self.n))
 
     def _ship(self, by_name: bool) -> None:
         """Build every worker's replica from the pickled master module."""
@@ -740,6 +747,9 @@ class Runtime:
         # object alive, but not the mappings (each one also holds an fd; see close() in DataParallel).
         self.io.clear()
         self.graphs.clear()
+        reducer = self.__dict__.get("reducer")
+        if reducer is not None:
+            reducer.close()
         for name in ("states", "_grad_slots", "_buffer_slots", "_master_buffers", "_first_buffers", "_buffers",
                      "_replicas", "reducer"):
             self.__dict__.pop(name, None)

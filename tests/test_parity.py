@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -105,6 +106,42 @@ def test_training_matches_reference(wrap, name, n_workers, mode, request):
     # Momentum buffers of the optimizer evolved identically.
     for p, rp in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], ropt.state[rp]["momentum_buffer"])
+
+
+def _reduce_helpers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("dpool-reduce")]
+
+
+@pytest.mark.parametrize("n_workers", [2, 3])
+def test_large_gradients_summed_in_chunks_on_helper_threads_match_reference(wrap, n_workers):
+    """A model with ≥ 4 MiB of gradients sums its slots in chunks on helper threads (the workers are
+    idle then): the same gradients and parameters as the reference after momentum steps, and
+    ``close()`` stops the threads."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(800, 800), torch.nn.Tanh(), torch.nn.Linear(800, 3)).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * n_workers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for batch in [9, 7, 2]:  # the last smaller than 3 workers: fewer slots than workers
+        x = torch.randn(batch, 800, dtype=torch.float64, generator=g)
+        out = model(x)
+        rout = per_shard(ref, (x.clone(),), {}, n_workers, batch)
+        torch.testing.assert_close(out, rout)
+        out.pow(2).mean().backward()
+        rout.pow(2).mean().backward()
+        for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"grad of {n}: {m}")
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    assert _reduce_helpers(), "the sum of 5 MiB slots did not use the helper threads"
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp)
+    model.close()
+    assert not _reduce_helpers()
 
 
 @pytest.mark.parametrize("name", ["mlp", "lstm", "dict"])
