@@ -28,6 +28,8 @@ from .layout import Layout
 __all__ = ["Reducer", "sum_sparse", "PARALLEL_SUM_BYTES"]
 
 # A CPU sum of at least this many bytes per shard is split over helper threads (see Reducer._sum).
+# Below it the hand-off costs more than it saves: the benchmark's mlp (2 MiB) measured 0.46-0.95 ms
+# per sum with helpers against 0.38-0.47 ms without.
 PARALLEL_SUM_BYTES = 4 << 20
 
 
