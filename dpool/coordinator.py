@@ -33,7 +33,6 @@ import threading
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import cloudpickle
-import psutil
 import torch
 
 from . import gather as _gather, scatter as _scatter, tree as _tree
@@ -44,6 +43,7 @@ from .config import Config
 from .crossnode import FORWARD, CrossNode, CrossNodeReducer
 from .errors import DpoolValueError, UnsupportedError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
+from .launch import physical_cores
 from .layout import Layout
 from .loss import ShardedOutput, build_output, combine
 from .peers import arm_exit_guard
@@ -182,9 +182,8 @@ class Runtime:
                                             overlap)
         else:
             # a large sum may use the workers' cores: they are idle while it runs
-            cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
             self.reducer = Reducer(self.layout, master.params, master.param_strides, self.device,
-                                   threads=min(cores, self.pool.threads * self.n))
+                                   threads=min(physical_cores(), self.pool.threads * self.n))
 
     def _ship(self, by_name: bool) -> None:
         """Build every worker's replica from the pickled master module."""

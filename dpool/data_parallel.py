@@ -10,7 +10,6 @@ import warnings
 import weakref
 from typing import Any, Iterator, Sequence
 
-import psutil
 import torch
 from torch import nn
 
@@ -19,6 +18,7 @@ from .config import Config
 from .crossnode import CrossNode, resolve_group
 from .devices import DeviceLike, check_devices, local_share, parse_devices, pool_devices
 from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError
+from .launch import physical_cores
 
 __all__ = ["DataParallel", "wrap", "unwrap", "is_wrapped"]
 
@@ -153,8 +153,7 @@ class DataParallel(nn.DataParallel):
         self.output_device = out_dev
         self.dim = dim
         cfg = (config or Config()).replace(**options) if options else (config or Config())
-        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        threads = worker_threads or max(1, cores // (len(devices) * local_share()[1]))
+        threads = worker_threads or max(1, physical_cores() // (len(devices) * local_share()[1]))
         self._saved_threads = torch.get_num_threads()
         self._runtime: Runtime | None = None
         self._close_lock = threading.Lock()

@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 from typing import Sequence, TypeAlias
 
-import psutil
 import torch
 
 from . import protocol as P
-from .launch import client_device
+from .launch import client_device, physical_cores
 from .daemon_client import read_pool, request
 from .errors import DpoolTypeError, DpoolValueError
 
@@ -45,8 +44,7 @@ def parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
             per = len(gpus) // size
             mine = gpus[rank * per:(rank + 1) * per] if per else [gpus[rank % len(gpus)]]
             return [f"cuda:{i}" for i in mine]
-        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        return ["cpu"] * max(1, cores // size)
+        return ["cpu"] * max(1, physical_cores() // size)
     if isinstance(device_ids, (str, int, torch.device)):
         raise DpoolTypeError("device_ids must be a list, e.g. ['cpu', 'cpu'] or [0, 1]")
     devices: list[str] = []

@@ -23,13 +23,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import psutil
+
 from . import protocol as P
 from .errors import DpoolError, WorkerDiedError, WorkerStartError
 
 if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
-__all__ = ["worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
+__all__ = ["physical_cores", "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
            "WORKER_MALLOC_KEEP", "Worker", "Launcher", "Spawn", "start_worker", "join_or_kill", "signal_name",
            "show_output"]
 
@@ -68,6 +70,11 @@ def worker_command(program: str = "worker", *args: str) -> list[str]:
 
 
 WORKER_MALLOC_KEEP = 1 << 30  # bytes: blocks up to 1 GiB come from (and stay in) the heap
+
+
+def physical_cores() -> int:
+    """This machine's physical cores (logical CPUs if psutil cannot tell): what thread counts are sized by."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def worker_env(threads: int) -> dict[str, str]:
