@@ -39,6 +39,10 @@ _FRAME_SLACK = 1024
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
+# pyzmq's Python-level ``Socket.send``/``recv`` only add argument handling we never use (routing ids, groups,
+# copy thresholds) around the Cython methods; calling those directly saves about a microsecond per frame.
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
 
 
 class Channel:
@@ -99,8 +103,8 @@ class Channel:
         frame = self.codec.encode(msg, self._seq_out + 1)
         flags = int(flags)
         if peer is not None:
-            self.sock.send(peer, _SNDMORE | flags)
-        self.sock.send(frame, flags)
+            _send(self.sock, peer, _SNDMORE | flags)
+        _send(self.sock, frame, flags)
         self._seq_out += 1
 
     def try_send(self, msg: P.Message, peer: bytes | None = None) -> bool:
@@ -119,9 +123,9 @@ class Channel:
     def _frames(self, flags: int) -> list[bytes]:
         """One whole message's frames (``recv_multipart`` without its per-call enum arithmetic)."""
         sock = self.sock
-        frames = [sock.recv(flags)]
+        frames = [_recv(sock, flags)]
         while sock.get(_RCVMORE):
-            frames.append(sock.recv(flags))
+            frames.append(_recv(sock, flags))
         return frames
 
     def recv(self) -> tuple[bytes, P.Message]:

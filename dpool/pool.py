@@ -378,7 +378,19 @@ class Pool:
     def drain(self) -> list[tuple[int, P.Message]]:
         """Every message from a current worker queued now (replies owed to abandoned rounds are dropped)."""
         out = []
-        for ident, msg in self.chan.drain():
+        while True:
+            got = self._take()
+            if got is None:
+                return out
+            out.append(got)
+
+    def _take(self) -> tuple[int, P.Message] | None:
+        """The next queued message from a current worker, or ``None`` when none is queued."""
+        while True:
+            got = self.chan.recv_nowait()
+            if got is None:
+                return None
+            ident, msg = got
             idx = self._index_of(ident)
             if idx < 0:
                 # authenticated but from no current worker (a replaced one's last words): dropped
@@ -395,8 +407,7 @@ class Pool:
                 self._pending[idx] -= 1
                 if self._pending[idx] > 0:
                     continue
-            out.append((idx, msg))
-        return out
+            return idx, msg
 
     def _index_of(self, ident: bytes) -> int:
         idx = self._by_ident.get(ident)
@@ -430,7 +441,15 @@ class Pool:
                 )
             events = dict(self._poller.poll(int(min(deadline - now, tick) * 1000) + 1))
             if self.chan.sock in events:
-                for idx, msg in self.drain():
+                # Read until every reply is in, not until the queue is empty: that last, failed
+                # receive costs as much as a reply. What stays queued (a late print, a message of
+                # a worker outside this round) is read by the next round. A worker's messages
+                # arrive in order, so none it sent before its reply is left behind.
+                while need:
+                    got = self._take()
+                    if got is None:
+                        break
+                    idx, msg = got
                     if isinstance(msg, P.AllReduce):
                         self._hub.offer(idx, msg, self._reply)
                         continue
