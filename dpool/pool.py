@@ -377,7 +377,7 @@ class Pool:
 
     def drain(self) -> list[tuple[int, P.Message]]:
         """Every message from a current worker queued now (replies owed to abandoned rounds are dropped)."""
-        out = []
+        out: list[tuple[int, P.Message]] = []
         while True:
             got = self._take()
             if got is None:
