@@ -123,6 +123,7 @@ class Runtime:
         # One call at a time: calls from several threads (an evaluation thread, a server's handlers)
         # wait for the one in flight, as nn.DataParallel's do; they share segments and the workers.
         self.call_lock = threading.RLock()
+        self._seed = torch.empty((), dtype=torch.int64)  # each forward's draw from the CPU generator
         self._last_rows: list[int] | None = None  # shard sizes of the latest forward (for error hints)
         self.stats = Stats(self.n)
         self._sent_flags: tuple | None = None  # GPU numerics settings the workers have (see _follow_backend_flags)
@@ -428,7 +429,7 @@ class Runtime:
         # One draw from the coordinator's generator per forward: torch.manual_seed(s) makes a run
         # reproducible, embedded or attached. Each shard seeds its own stream from it (as replicas on
         # several GPUs draw their own), so the numbers differ from a single process's.
-        seed = int(torch.randint(_SEED_RANGE, (), dtype=torch.int64))
+        seed = int(self._seed.random_(0, _SEED_RANGE))  # = torch.randint(_SEED_RANGE, ()), without a new tensor
         msgs: dict[int, P.Message] = {}
         # the shards that take part in the call's collectives (SyncBatchNorm): in cross-node mode the other
         # nodes' too, so that a node with one worker still joins them
@@ -620,7 +621,7 @@ class Runtime:
         release = self.graphs.collect(self.io.release)
         if release:
             self.graphs.release(release)  # piggybacked on the next forward
-        per_shard = [pieces[s] if pieces is not None else state.grad_pieces(grads, s) for s in range(state.k)]
+        per_shard = pieces if pieces is not None else state.grad_pieces(grads)
         keep = 0
         if create_graph:
             keep = self.graphs.new_call()

@@ -653,13 +653,15 @@ class Codec:
             raise ValueError("dpool auth key must be 16 to 64 bytes")
         self._key = key
         self.max_bytes = max_bytes
+        # one packer for every message: msgpack.packb builds a new Packer per call. pack() runs in C
+        # under the GIL from start to end, so threads sharing the codec cannot interleave inside it.
+        self._pack = msgpack.Packer(use_bin_type=True).pack
 
     def _mac(self, payload: bytes) -> bytes:
         return mac(self._key, payload)
 
     def encode(self, msg: Message, seq: int) -> bytes:
-        payload = msgpack.packb([PROTOCOL_VERSION, msg.op, seq, msg._values(msg)],  # type: ignore[call-arg]
-                                use_bin_type=True)
+        payload = self._pack([PROTOCOL_VERSION, msg.op, seq, msg._values(msg)])  # type: ignore[call-arg]
         return self._mac(payload) + payload
 
     def decode(self, frames: list[bytes]) -> tuple[int, Message]:
