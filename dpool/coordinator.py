@@ -45,7 +45,7 @@ from .errors import DpoolValueError, UnsupportedError, WorkerDiedError, WorkerSt
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
 from .launch import physical_cores
 from .layout import Layout
-from .loss import ShardedOutput, build_output, combine
+from .loss import ShardedOutput, build_output, combine, predict_seed
 from .peers import arm_exit_guard
 from .pool import Pool
 from .reduce import Reducer, sum_sparse
@@ -117,6 +117,10 @@ class Runtime:
         self.restarts_left = max_restarts
         self.balancer = _scatter.Balancer(self.n, shard_weights, balance)
         self.no_sync = False
+        # The workers' gradient slots change with every backward (a criterion's speculative one included),
+        # restart and re-sync; a speculative backward's result is only used while this has not moved.
+        self._slot_gen = 0
+        self._workers_hold = False  # the workers may hold no_sync gradients (a backward with hold ran since)
         self.buffer_policy = buffers
         self._rank0_buffers: torch.Tensor | None = None  # cross-node, buffers="first": staging for the broadcast
         self.gather_outputs = gather
@@ -173,6 +177,10 @@ class Runtime:
         # cross-node: whether a training forward exchanges anything (buffers, SyncBatchNorm statistics)
         self._forward_collectives = self.layout.buffer_range is not None or any(
             isinstance(m, SyncBatchNorm) for m in self.module.modules())
+        # A criterion's backward may run on the workers right after the loss (see criterion()): not with
+        # SyncBatchNorm (its backward's collective would wait on shards that skip it) nor with sparse gradients.
+        self._speculable = not any(isinstance(m, SyncBatchNorm) or getattr(m, "sparse", False) is True
+                                   for m in self.module.modules())
         if self.nodes is not None:
             # Buckets leave during the backward as the workers complete them: CPU workers only (a GPU
             # worker's report would have to wait for its stream), and not with SyncBatchNorm, whose
@@ -214,6 +222,7 @@ class Runtime:
             if master.region.fd is not None:
                 self.pool.pass_fds([master.region.fd])  # for workers respawned later
             self.graphs.lose_all()  # earlier graphs referred to the old replicas
+            self._slot_gen += 1
             self._model_bytes = master.pickle()
             self._ship(by_name=True)
         except BaseException as exc:
@@ -337,6 +346,7 @@ class Runtime:
             self._first_buffers = self.states[0].u8[a:b]
         # Graphs kept by the dead worker are gone: calls made so far can no longer be backpropagated.
         self.graphs.lose_all()
+        self._slot_gen += 1
         self._sent_flags = None  # a new process starts with torch's default numerics settings
         self._init_workers(indices)
 
@@ -534,7 +544,12 @@ class Runtime:
     # ------------------------------------------------------------------ loss on the workers
     @_one_call_at_a_time
     def criterion(self, handle: Any, crit: Any, targets: tuple) -> torch.Tensor:
-        """Compute ``crit`` on every shard of ``handle`` (see :mod:`dpool.loss`)."""
+        """Compute ``crit`` on every shard of ``handle`` (see :mod:`dpool.loss`).
+
+        When the gradient ``loss.backward()`` will give each shard's loss can be told now, the workers also
+        run that backward in the same round (a *speculative* backward): ``loss.backward()`` then finds the
+        gradients in the slots and needs no round of its own. See :class:`dpool.loss.Speculation`.
+        """
         pool, state = self.pool, handle._state
         pool.check_usable()
         if not self.graphs.kept(state.call):
@@ -547,6 +562,21 @@ class Runtime:
             if t.dim() > self.dim and t.size(self.dim) != sum(rows):
                 raise DpoolValueError(f"target has {t.size(self.dim)} rows along dim {self.dim}, the output {sum(rows)}")
         shards = _scatter.shard_views(tensors, [rows if t.dim() > self.dim else None for t in tensors], k, self.dim)
+        dtype = next((DTYPES[m.dtype] for m in state.metas[0] if DTYPES[m.dtype].is_floating_point), torch.float32)
+        grad_inputs = handle._diff_inputs + [p for p in self.params if p.requires_grad]
+        guess = None
+        if crit.backward_with_loss and torch.is_grad_enabled() and grad_inputs and any(state.differentiable):
+            guess = predict_seed(crit, tuple(targets),
+                                 lambda: [_tree.unflatten(spec, sh.__getitem__) for sh in shards],
+                                 dtype, self.output_device)
+        last = crit._last
+        if last is not None and not last.settled:  # the previous loss of this criterion was never backpropagated
+            crit._speculate = False
+        speculate = (guess is not None and crit._speculate and self._speculable and not self.cuda
+                     and self.nodes is None and not self.no_sync and not self._workers_hold)
+        seed, seed_dtype = (guess.seed, dtype_name(dtype)) if speculate and guess is not None else (b"", "")
+        if speculate:
+            self._slot_gen += 1  # the workers write their slots in this round, whatever its outcome
         for s in range(k):
             placer = Placer()
             offs = [placer.reserve(t) for t in shards[s]]
@@ -554,12 +584,45 @@ class Runtime:
             metas = [Placer.write(seg.views, start + o, t) for o, t in zip(offs, shards[s])]
             # the loss graph may save the targets: keep their region until the call is released
             self.io.keep(s, (state.call, "targets", id(seg), start), (seg, start, start + placer.offset))
-            msgs[s] = P.Criterion(state.call, crit._bytes, spec, metas, seg.ref())
+            gin = self.io.ensure(s, "gin", state.gin_sizes[s]).ref() if speculate else [None, 0]
+            msgs[s] = P.Criterion(state.call, crit._bytes, spec, metas, seg.ref(), seed, seed_dtype, gin, pool.step)
         replies = self._request(msgs, "computing the loss")
         pool.unlink_segments()
         self._raise_failures(replies, "criterion")
-        dtype = next((DTYPES[m.dtype] for m in state.metas[0] if DTYPES[m.dtype].is_floating_point), torch.float32)
-        return combine(self, handle, [replies[s] for s in range(k)], dtype, crit.reduction)
+        done = [replies[s] for s in range(k)]
+        if guess is not None:
+            # usable only if every shard ran it, with the denominators predicted (the seed depends on them)
+            ran = speculate and all(r.backward for r in done) and guess.matches([r.denom for r in done])
+            guess.gen = self._slot_gen if ran else -1
+            guess.replies = done if ran else None
+            crit._last = guess
+        return combine(self, handle, done, dtype, crit.reduction, guess, crit)
+
+    @_one_call_at_a_time
+    def backward_speculated(self, state: CallState, guess: Any, seed: torch.Tensor, crit: Any
+                            ) -> list[torch.Tensor | None] | None:
+        """The gradients of a criterion's loss whose backward the workers ran right after it (see
+        :meth:`criterion`), if ``seed`` (this backward's gradient for each shard's loss) is bitwise the one
+        they used and their slots still hold the result; ``None``: run the backward round instead."""
+        guess.settled = True
+        hit = guess.hit(seed)
+        crit._speculate = hit  # a miss (a scaled loss, GradScaler) turns speculation off until a would-be hit
+        if (not hit or guess.replies is None or guess.gen != self._slot_gen or self.no_sync
+                or torch.is_grad_enabled() or self.graphs.lost(state.call)):
+            return None
+        self.pool.check_usable()
+        replies = guess.replies
+        k = state.k
+        param_grads = self.reducer.reduce([self._grad_slots[s] for s in range(k)], [r.param_mask for r in replies])
+        self._slot_gen += 1
+        self._workers_hold = False
+        busy = [r.busy for r in replies]
+        self.stats.backward(busy, k * seed.element_size(),
+                            sum(end - start for _, start, end, _ in self.layout.param_groups) * k)
+        self.stats.backward_rounds_saved += 1
+        self.balancer.observe(1, busy, state.rows)
+        input_grads = state.input_grads([r.input_grads for r in replies])
+        return input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
 
     @_one_call_at_a_time
     def gather_kept(self, handle: Any) -> Any:
@@ -662,6 +725,9 @@ class Runtime:
             sparse = self.io.segment(s, "sparse")
             msgs[s] = P.Backward(call, pool.step, seg.ref(), gmetas, gin.ref(), hold,
                                  sparse.ref() if sparse is not None else [None, 0], keep)
+        self._slot_gen += 1  # the slots are written from here on, whatever the outcome
+        if hold:
+            self._workers_hold = True
         # the reducer may start combining while the workers still run (cross-node buckets)
         slots = [self._grad_slots[s] for s in range(k)]
         pool.on_bucket = None if hold else self.reducer.begin(slots, call, at)
@@ -688,6 +754,7 @@ class Runtime:
         # cross-node mode); then sparse gradients. Under no_sync() the gradients stay on the workers.
         if hold:
             return [None] * len(self.params), replies
+        self._workers_hold = False
         param_grads = self.reducer.reduce(slots, [replies[s].param_mask for s in range(k)], at,
                                           any(replies[s].late for s in range(k)))
         for s in range(k):

@@ -8,16 +8,30 @@ the full-batch loss: each shard reports its loss with ``reduction="sum"`` and th
 mean divides by (rows, elements, or the sum of class weights), and the coordinator divides the
 totals, so unequal shards, class weights and ``ignore_index`` give exactly the single-process
 value. ``loss.backward()`` backpropagates on the workers from their shard losses.
+
+*The backward right after the loss.* ``loss.backward()`` gives each shard's loss the gradient
+``1 / denominator`` (``1`` for ``reduction="sum"``). When the coordinator can compute that number
+before the loss round (a sum, or a mean whose denominators the targets decide: class-index
+cross-entropy and NLL, see :func:`target_denominator`), it sends it with the loss, and each worker
+runs its backward with it at once, in the same round. ``loss.backward()`` then only sums the
+gradient slots: one round per step less. The result is used only if the gradient autograd actually
+passes is bitwise that number, the denominators came out as predicted, and no other backward,
+restart or ``no_sync()`` touched the slots since; otherwise the backward round runs as before, on
+the graph the workers kept, and gives the same numbers. A scaled loss (``(loss * c).backward()``,
+``GradScaler``) or a loss never backpropagated turns the speculation off for that criterion until a
+backward would have used it, so such loops pay for at most one wasted backward per switch. CPU
+workers only, outside cross-node mode, and not for models with SyncBatchNorm or sparse gradients.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import cloudpickle
 import torch
 
 from . import gather as _gather
 from .errors import DpoolValueError
+from .tensors import to_bytes
 
 if TYPE_CHECKING:
     from .bridge import CallState
@@ -60,6 +74,10 @@ class criterion:
 
     Args:
         loss (nn.Module): e.g. ``nn.CrossEntropyLoss()``; ``reduction`` must be ``"mean"`` or ``"sum"``.
+        backward_with_loss (bool): let the workers run ``loss.backward()``'s backward in the same round as
+            the loss when they can tell its gradient in advance (see the module's note), which saves a round
+            per step and gives the same numbers. ``False`` always backpropagates in a round of its own: for
+            replicas whose backward hooks must run only for backwards that count. Default: ``True``.
 
     Example::
 
@@ -69,13 +87,18 @@ class criterion:
         >>> loss.backward()
     """
 
-    def __init__(self, loss: torch.nn.Module) -> None:
+    def __init__(self, loss: torch.nn.Module, backward_with_loss: bool = True) -> None:
         reduction = getattr(loss, "reduction", "mean")
         if reduction not in ("mean", "sum"):
             raise DpoolValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
         self.loss = loss
         self.reduction = reduction
         self._bytes = cloudpickle.dumps(loss)
+        self.backward_with_loss = backward_with_loss
+        self._speculate = True  # run the backward with the loss (see the module's note); off after a miss
+        self._last: Speculation | None = None
+        self._seed_key: tuple | None = None  # the latest predicted seed, as (bytes, value), and what it was for
+        self._seed: tuple[bytes, float] = (b"", 0.0)
 
     def __call__(self, output: Any, *targets: Any) -> torch.Tensor:
         if not isinstance(output, ShardedOutput):
@@ -96,29 +119,109 @@ class LossBridge(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         ctx.saved_tensors
         box = ctx.box
-        scale = grad / box.denom
+        seed = (grad / box.denom).to(box.value.dtype).reshape(())  # each shard loss's gradient
+        guess, box.guess = box.guess, None  # a second backward (retain_graph=True) runs its own round
+        if guess is not None:
+            done = box.runtime.backward_speculated(box.state, guess, seed, box.crit)
+            if done is not None:
+                return (None, *done)
         pieces = [[None] * (idx + 1) for idx in box.indices]
         for s, idx in enumerate(box.indices):
-            pieces[s][idx] = scale.to(box.value.dtype).reshape(())
+            pieces[s][idx] = seed
         return (None, *box.runtime.backward(box.state, (), pieces))
 
 
+class Speculation:
+    """The gradient ``loss.backward()`` will give each shard's loss, predicted at the loss (see the module's note).
+
+    ``seed``: its bytes (``value`` as a ``dtype`` scalar); ``denom``: the predicted sum of the shards'
+    denominators (``None`` for a sum). After the loss round, ``replies`` holds the shards' reports of the
+    backward they ran with it and ``gen`` the runtime's slot generation then (``None`` and ``-1``: it did
+    not run, or the denominators came out otherwise: only a prediction). ``settled``: a backward of the
+    loss happened.
+    """
+
+    __slots__ = ("seed", "value", "dtype", "denom", "gen", "replies", "settled")
+
+    def __init__(self, seed: bytes, value: float, dtype: torch.dtype, denom: float | None) -> None:
+        self.seed, self.value, self.dtype, self.denom = seed, value, dtype, denom
+        self.gen = -1
+        self.replies: list | None = None
+        self.settled = False
+
+    def matches(self, denoms: list[float]) -> bool:
+        """Whether the shards' denominators add up as predicted (always, for a sum)."""
+        return self.denom is None or sum(denoms) == self.denom  # summed as combine() sums them
+
+    def hit(self, seed: torch.Tensor) -> bool:
+        """Whether ``seed`` is bitwise the predicted one (a nonzero value: ``==`` cannot tell zeros' signs apart)."""
+        return seed.dtype == self.dtype and self.value != 0.0 and seed.item() == self.value
+
+
+def predict_seed(crit: criterion, targets: tuple, shard_targets: Callable[[], list[tuple]], dtype: torch.dtype,
+                 device: torch.device) -> Speculation | None:
+    """What :meth:`LossBridge.backward` will pass each shard for ``loss.backward()``, if the targets decide it.
+
+    Args:
+        targets: the whole batch's targets, as given to the criterion.
+        shard_targets: makes each shard's targets (only needed with class weights, whose float sums depend
+            on the order).
+    """
+    denom: float | None = None
+    if crit.reduction == "mean":
+        if getattr(crit.loss, "weight", None) is not None:
+            found = [target_denominator(crit.loss, t) for t in shard_targets()]
+            if any(d is None for d in found):
+                return None
+            denom = sum(d for d in found if d is not None)  # in shard order, as combine() adds the reports
+        else:  # a count of rows: exact whatever the order
+            denom = target_denominator(crit.loss, targets)
+            if denom is None:
+                return None
+    divisor = denom if denom else 1.0
+    key = (dtype, device, divisor)
+    if crit._seed_key != key:  # the batch size (and so the seed) rarely changes: made once
+        # autograd's gradient for loss.backward() is ones_like(loss); LossBridge divides it by the denominator
+        seed = (torch.ones((), dtype=dtype, device=device) / divisor).to(dtype).reshape(())
+        crit._seed_key, crit._seed = key, (to_bytes(seed.reshape(-1).cpu()), seed.item())
+    return Speculation(crit._seed[0], crit._seed[1], dtype, denom)
+
+
 class _LossBox:
-    __slots__ = ("runtime", "state", "value", "denom", "indices", "handle")
+    __slots__ = ("runtime", "state", "value", "denom", "indices", "handle", "guess", "crit")
 
     def __init__(self, runtime: "Runtime", handle: ShardedOutput, value: torch.Tensor, denom: float,
-                 indices: list[int]) -> None:
+                 indices: list[int], guess: Speculation | None, crit: criterion) -> None:
         self.runtime, self.state, self.value, self.denom, self.indices = runtime, handle._state, value, denom, indices
         self.handle = handle  # the loss's graph keeps the outputs on the workers alive
+        self.guess, self.crit = guess, crit
+
+
+def target_denominator(loss_fn: Any, targets: tuple) -> float | None:
+    """What a mean-reduced ``loss_fn`` divides a shard's summed loss by, when the targets alone decide it:
+    ``CrossEntropyLoss``/``NLLLoss`` with class indices (the rows not ``ignore_index``, or the sum of their
+    class weights). ``None`` otherwise (the worker then counts the unreduced loss's elements).
+
+    The workers compute their shard's denominator with this function, and the coordinator predicts it with
+    the same function on the same target values (see :func:`predicted_seed`).
+    """
+    target = targets[0] if targets else None
+    if not (isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) and isinstance(target, torch.Tensor)
+            and not target.is_floating_point()):
+        return None
+    valid = target != loss_fn.ignore_index
+    if loss_fn.weight is not None:
+        return float(loss_fn.weight[target.clamp(min=0)][valid].sum())
+    return float(valid.sum())
 
 
 def combine(runtime: "Runtime", handle: ShardedOutput, replies: list, dtype: torch.dtype,
-            reduction: str) -> torch.Tensor:
+            reduction: str, guess: Speculation | None, crit: criterion) -> torch.Tensor:
     """The full-batch loss from the shards' (sum, denominator) replies, differentiable."""
     total = sum(r.value for r in replies)
     denom = sum(r.denom for r in replies) if reduction == "mean" else 1.0
     value = torch.tensor(total / denom if denom else total, dtype=dtype, device=runtime.output_device)
-    box = _LossBox(runtime, handle, value, denom if denom else 1.0, [r.index for r in replies])
+    box = _LossBox(runtime, handle, value, denom if denom else 1.0, [r.index for r in replies], guess, crit)
     grad_inputs = handle._diff_inputs + [p for p in runtime.params if p.requires_grad]
     if torch.is_grad_enabled() and grad_inputs and any(handle._state.differentiable):
         return LossBridge.apply(box, *grad_inputs)

@@ -95,7 +95,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 7  # 7: keyed BLAKE2b MACs instead of HMAC-SHA256
+PROTOCOL_VERSION = 8  # 8: criterion may carry a backward seed; criterion_done reports that backward
+# 7: keyed BLAKE2b MACs instead of HMAC-SHA256
 # 6: bucket_ready (gradient buckets reported during backward); backward_done's late
 # 5: a typed boot message; inspect replaces release (used only by tests)
 # 3: forward carries a seed drawn from the coordinator's generator; sparse gradients; parameter strides;
@@ -409,25 +410,48 @@ class FetchSparseDone(Message):
     sparse: list
 
 
-@_message("criterion", call=_INT, fn=_BYTES, tree=(object,), tensors=_METAS, inputs=_LIST)
+@_message("criterion", call=_INT, fn=_BYTES, tree=(object,), tensors=_METAS, inputs=_LIST, seed=_BYTES,
+          seed_dtype=_STR, input_grads=_LIST, step=_INT)
 class Criterion(Message):
-    """Apply a pickled loss module to the outputs ``call`` kept (``gather=False``) and this shard's targets."""
+    """Apply a pickled loss module to the outputs ``call`` kept (``gather=False``) and this shard's targets.
+
+    A non-empty ``seed`` (the raw bytes of a 0-dim ``seed_dtype`` tensor) asks the worker to backpropagate
+    the shard's loss with it at once, as a :class:`Backward` of the call with that output gradient would
+    (gradients into the slot, input gradients into ``input_grads``): the coordinator sends it only when it
+    can tell in advance the gradient ``loss.backward()`` will give each shard, and uses the result only
+    if that gradient turns out to be bitwise this seed (see ``dpool.loss``).
+    """
 
     call: int
     fn: bytes
     tree: Any
     tensors: list
     inputs: SegRef
+    seed: bytes
+    seed_dtype: str
+    input_grads: SegRef
+    step: int
 
 
-@_message("criterion_done", call=_INT, index=_INT, value=(float,), denom=(float,))
+@_message("criterion_done", call=_INT, index=_INT, value=(float,), denom=(float,), backward=_BOOL,
+          param_mask=_BYTES, input_grads=_METAS, busy=(float,))
 class CriterionDone(Message):
-    """The shard's summed loss (kept as output ``index`` of the call, for backward) and its denominator."""
+    """The shard's summed loss (kept as output ``index`` of the call, for backward) and its denominator.
+
+    ``backward``: whether the backward that ``seed`` asked for ran; then ``param_mask``, ``input_grads``
+    and ``busy`` are those of its :class:`BackwardDone` (no sparse gradients: a backward that makes any
+    does not count as run). It did not run when no seed came, the worker holds ``no_sync`` gradients, or
+    it raised: the ordinary backward round then runs it again and reports any error.
+    """
 
     call: int
     index: int
     value: float
     denom: float
+    backward: bool
+    param_mask: bytes
+    input_grads: list
+    busy: float
 
 
 @_message("inspect", release=_LIST)

@@ -13,6 +13,7 @@ class Stats:
         self.n = n
         self.steps = 0
         self.restarts = 0
+        self.backward_rounds_saved = 0  # backwards a criterion's workers had already run (see dpool.loss)
         self.rows: list[int] = []
         self.forward_ms = [0.0] * n
         self.backward_ms = [0.0] * n
@@ -40,4 +41,4 @@ class Stats:
                 w["graphs_kept"], w["rss_bytes"] = held[i]
             workers.append(w)
         return {"steps": self.steps, "restarts": self.restarts, "shard_rows": list(self.rows), "workers": workers,
-                "bytes_per_step": dict(self.bytes)}
+                "bytes_per_step": dict(self.bytes), "backward_rounds_saved": self.backward_rounds_saved}

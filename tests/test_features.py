@@ -329,3 +329,82 @@ def test_torch_compile_outside_and_inside(wrap, recwarn):
     assert not [w for w in recwarn if "Dynamo" in str(w.message) or "graph break" in str(w.message).lower()]
     inner = wrap(torch.compile(copy.deepcopy(ref), backend="eager"), ["cpu"])  # one worker compiles: enough
     torch.testing.assert_close(inner(x), ref(x))
+
+
+def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
+    """A criterion's workers run loss.backward()'s backward in the loss round when they can tell its gradient
+    in advance (one round per step less). Against a pool that backpropagates in rounds of its own
+    (backward_with_loss=False): bitwise the same gradients and parameters, step after step, through every way
+    back to the backward round (a scaled loss, two losses, retain_graph, no_sync, a loss never backpropagated,
+    an unpredictable loss); against one process: the same numbers. stats() counts the rounds saved, so each
+    path is known to have been taken."""
+    torch.manual_seed(0)
+    net = models.MLP(d_out=4).double()
+    plain, ref = copy.deepcopy(net), copy.deepcopy(net)
+    fast = wrap(net, ["cpu"] * 3, gather=False)
+    slow = wrap(plain, ["cpu"] * 3, gather=False)
+    weight = torch.tensor([1.0, 3.0, 0.5, 2.0], dtype=torch.float64)
+    losses = {"mean": nn.CrossEntropyLoss(weight=weight, ignore_index=2),  # per-shard denominators
+              "sum": nn.CrossEntropyLoss(reduction="sum"), "mse": nn.MSELoss()}  # mse: not predictable
+    crits = [{k: dpool.criterion(v, backward_with_loss=b) for k, v in losses.items()} for b in (True, False)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, plain, ref)]
+
+    def saved():
+        assert slow.stats()["backward_rounds_saved"] == 0
+        return fast.stats()["backward_rounds_saved"]
+
+    def step(kind, expect_saved):
+        x = torch.randn(10, 12, dtype=torch.float64)  # 10 rows on 3 workers: shards of 4, 3, 3
+        y, y2 = torch.randint(0, 4, (10,)), torch.randn(10, 4, dtype=torch.float64)
+        before = saved()
+        xs = [x.clone().requires_grad_(kind == "input_grad") for _ in range(3)]
+        for xi, model, crit in zip(xs, (fast, slow, ref), (*crits, None)):
+            loss_of = (lambda name, out, t: crit[name](out, t)) if crit else (lambda name, out, t: losses[name](out, t))
+            if kind == "no_sync" and crit:
+                with model.no_sync():
+                    loss_of("mean", model(xi), y).backward()
+            elif kind == "no_sync":
+                loss_of("mean", model(xi), y).backward()
+            out = model(xi)
+            if kind == "scaled":
+                (loss_of("mean", out, y) * 0.5).backward()
+            elif kind == "two_losses":
+                (loss_of("mean", out, y) + loss_of("sum", out, y)).backward()
+            elif kind == "retain_graph":
+                loss = loss_of("sum", out, y)
+                loss.backward(retain_graph=True)
+                loss.backward()
+            elif kind == "unused":
+                loss_of("mean", out, y)  # computed with grad enabled, never backpropagated
+                loss_of("mean", model(xi), y).backward()
+            elif kind == "mse":
+                loss_of("mse", out, y2).backward()
+            else:
+                loss_of("mean", out, y).backward()
+        assert saved() - before == expect_saved, kind
+        for p, q, r in zip(net.parameters(), plain.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), kind
+            torch.testing.assert_close(p.grad, r.grad)
+        if kind == "input_grad":
+            assert torch.equal(xs[0].grad, xs[1].grad)
+            torch.testing.assert_close(xs[0].grad, xs[2].grad)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for p, q in zip(net.parameters(), plain.parameters()):
+            assert torch.equal(p, q), kind
+
+    step("plain", 1)
+    step("plain", 1)
+    step("scaled", 0)  # its backward ran with the loss, unused: the round runs it again, same numbers
+    step("plain", 0)  # off after the miss; this backward would have used it, so it is on again
+    step("plain", 1)
+    step("two_losses", 1)  # the second loss's backward overwrote the first's slots: only one is used
+    step("retain_graph", 1)  # the second backward of the same loss runs a round of its own
+    step("input_grad", 1)
+    step("no_sync", 0)  # nothing runs early inside no_sync(), nor while the workers hold its gradients
+    step("plain", 1)
+    step("unused", 0)  # a loss never backpropagated turns it off until a backward would have used it
+    step("plain", 1)
+    step("mse", 0)
+    step("plain", 1)

@@ -34,8 +34,9 @@ import cloudpickle
 import torch
 
 from dpool import tree as _tree
+from dpool.loss import target_denominator
 from dpool import protocol as P
-from dpool.tensors import DTYPES, Placer, check_tensor, meta_nbytes, read
+from dpool.tensors import DTYPES, Placer, check_tensor, from_bytes, meta_nbytes, read
 from dpool.transport import attach
 from dpool.transport.shm import Mapped
 from dpool.sync_batchnorm import _set_collective
@@ -64,20 +65,17 @@ def _sum_and_denominator(loss_fn: Any, out: Any, args: tuple) -> tuple[torch.Ten
     summed = copy.copy(loss_fn)
     summed.reduction = "sum"
     total = summed(out, *args)
-    target = args[0] if args else None
-    if isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) and isinstance(target, torch.Tensor) \
-            and not target.is_floating_point():
-        valid = target != loss_fn.ignore_index
-        if loss_fn.weight is not None:
-            denom = float(loss_fn.weight[target.clamp(min=0)][valid].sum())
-        else:
-            denom = float(valid.sum())
-    else:
+    denom = target_denominator(loss_fn, args)
+    if denom is None:
         unreduced = copy.copy(loss_fn)
         unreduced.reduction = "none"
         with torch.no_grad():
             denom = float(unreduced(out, *args).numel())
     return total, denom
+
+
+class _NotSpeculable(Exception):
+    """A speculative backward (see ``Replica._speculate``) made sparse gradients: left to the backward round."""
 
 
 class _Unpickler(pickle.Unpickler):
@@ -404,13 +402,21 @@ class Replica:
                 grads.append(read(gseg.views, meta))
         if msg.keep_as:
             return self._backward_create_graph(msg, call, roots, grads, giseg, t0)
+        return self._backward(msg.call, call, roots, grads, giseg, msg.input_grads[1], msg.hold, msg.sparse, t0)
+
+    def _backward(self, call_id: int, call: _Call, roots: list[torch.Tensor], grads: list[torch.Tensor],
+                  giseg: Mapped, gin_size: int, hold: bool, sparse_ref: list, t0: float,
+                  speculative: bool = False) -> P.BackwardDone:
+        """Backpropagate ``grads`` from ``roots``: parameter gradients into the slot (or held, ``hold``), input
+        gradients into ``giseg`` (``gin_size`` bytes). ``speculative`` (a criterion's seed): no bucket reports, and sparse
+        gradients raise :class:`_NotSpeculable` instead of being written."""
         if not self._holding:  # a fresh accumulation (a failed backward's partial one is dropped too)
             for p in self.params:
                 p.grad = None
             self._written = bytearray(len(self.params))
-        report = bool(self._bucket_sizes) and not msg.hold and not self.on_gpu
+        report = bool(self._bucket_sizes) and not hold and not self.on_gpu and not speculative
         if report:  # count each bucket's parameters that take a gradient in this backward
-            self._report_call, self._late = msg.call, False
+            self._report_call, self._late = call_id, False
             self._fresh = bytearray(len(self.params))
             self._reported = bytearray(len(self._bucket_sizes))
             self._left = list(self._bucket_sizes)
@@ -429,12 +435,14 @@ class Replica:
                 _set_collective(None)
         mask = bytearray(len(self.params))
         sparse: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self._holding = msg.hold  # no_sync: gradients stay here, accumulating, until a backward without hold
-        if not msg.hold:
+        self._holding = hold  # no_sync: gradients stay here, accumulating, until a backward without hold
+        if not hold:
             for i, p in enumerate(self.params):
                 if not p.requires_grad:
                     continue
                 g = p.grad
+                if g is not None and g.is_sparse and speculative:
+                    raise _NotSpeculable()
                 if g is not None and g.is_sparse:  # nn.Embedding(sparse=True): indices and values travel
                     g = g.coalesce()
                     sparse.append((i, g.indices(), g.values()))
@@ -451,9 +459,9 @@ class Replica:
         smetas: list[Any] = []
         sparse_need = 0
         if sparse:
-            smetas, sparse_need = self._write_sparse(sparse, msg.sparse)
+            smetas, sparse_need = self._write_sparse(sparse, sparse_ref)
             if sparse_need:
-                self.unfetched_sparse[msg.call] = sparse
+                self.unfetched_sparse[call_id] = sparse
         placer = Placer()
         metas: list[Any] = []
         for leaf in call.leaves:
@@ -461,13 +469,13 @@ class Replica:
                 metas.append(None)
                 continue
             off = placer.reserve(leaf.grad)
-            if placer.offset > msg.input_grads[1]:
+            if placer.offset > gin_size:
                 raise RuntimeError("input-gradient segment too small (coordinator bug)")
             metas.append(Placer.write(giseg.views, off, leaf.grad))
             leaf.grad = None
         self.stage = "idle"
         self._sync()
-        return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0, smetas, sparse_need,
+        return P.BackwardDone(call_id, bytes(mask), metas, time.perf_counter() - t0, smetas, sparse_need,
                               report and self._late)
 
     def _backward_create_graph(self, msg: P.Backward, call: _Call, roots: list[torch.Tensor],
@@ -554,8 +562,36 @@ class Replica:
             else:
                 raise ValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
         call.outputs.append(total)
+        done = self._speculate(msg, call, total) if msg.seed else None
         self.stage = "idle"
-        return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom))
+        if done is None:
+            return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom), False, b"",
+                                   [], 0.0)
+        return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom), True,
+                               done.param_mask, done.input_grads, done.busy)
+
+    def _speculate(self, msg: P.Criterion, call: _Call, total: torch.Tensor) -> P.BackwardDone | None:
+        """The backward of the shard loss ``total`` with the coordinator's ``msg.seed``, run now, exactly as
+        the :class:`~dpool.protocol.Backward` that ``loss.backward()`` would send; ``None`` when it does not
+        run or fails (the coordinator then sends that backward: its error, if any, is reported there)."""
+        if self._holding or not total.requires_grad:  # no_sync gradients held here: never mixed into
+            return None
+        seed = from_bytes(msg.seed, DTYPES[msg.seed_dtype]).reshape(())
+        if self.on_gpu:
+            seed = seed.to(self.device)
+        self.stage = f"running backward at step {msg.step} (right after the loss)"
+        try:
+            return self._backward(msg.call, call, [total], [seed], self._seg("gin", msg.input_grads),
+                                  msg.input_grads[1], False, [None, 0], time.perf_counter(), speculative=True)
+        except Exception:  # sparse gradients (_NotSpeculable) or the model's error: a fresh start next time
+            for p in self.params:
+                p.grad = None
+            for leaf in call.leaves:
+                if leaf is not None:
+                    leaf.grad = None
+            self._written = bytearray(len(self.params))
+            self._holding = False
+            return None
 
     # ---------------------------------------------------------------- misc
     def inspect(self, msg: P.Inspect) -> P.Message:
