@@ -17,6 +17,9 @@ Setups, on N = --workers:
            one module (DataParallel has no CPU parallelism), so it is `single` plus overhead
   ddp      DistributedDataParallel, gloo backend, N ranks, global batch / N each
   dpool    dpool.wrap with N CPU workers
+  dpool-loss  the same with the loss on the workers: dpool.wrap(net, gather=False) and
+           dpool.criterion(nn.CrossEntropyLoss()); the workers run the loss's backward in
+           the loss round, so a step is two rounds, as with `dpool`, without gathering outputs
   ideal    one shard (global batch / N) forward+backward alone on cores / N threads:
            N-way parallelism with zero communication
   ceiling  N independent processes, each training one shard at the same time with
@@ -52,12 +55,12 @@ from benchmarks.workloads import WORKLOADS, Workload  # noqa: E402
 CORES = psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
-def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, w: Workload, data: list, steps: int) -> float:
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: Any, data: list, steps: int) -> float:
     t0 = time.perf_counter()
     for i in range(steps):
         x, y = data[i % len(data)]
         opt.zero_grad(set_to_none=True)
-        w.loss(model(x), y).backward()
+        loss(model(x), y).backward()
         opt.step()
     return time.perf_counter() - t0
 
@@ -73,20 +76,23 @@ class Local:
         n = w.global_batch // workers if setup == "ideal" else w.global_batch
         self.data = [w.batch(n, g) for _ in range(4)]
         self.threads = max(1, CORES // workers) if setup == "ideal" else CORES
+        self.loss: Any = w.loss
         if setup == "dp":
             net = torch.nn.DataParallel(net)
-        if setup == "dpool":
+        if setup in ("dpool", "dpool-loss"):
             import dpool
 
-            net = dpool.wrap(net, ["cpu"] * workers)
+            net = dpool.wrap(net, ["cpu"] * workers, gather=setup == "dpool")
             self.threads = 1  # dpool holds the coordinator to one thread while the pool is open
+            if setup == "dpool-loss":  # every workload's loss is F.cross_entropy
+                self.loss = dpool.criterion(torch.nn.CrossEntropyLoss())
         self.model = net
         self.opt = torch.optim.SGD(net.parameters(), lr=w.lr, momentum=0.9)
         self.samples = w.global_batch  # ideal: one shard's time stands for the whole batch
 
     def run(self, steps: int) -> float:
         torch.set_num_threads(self.threads)
-        return _steps(self.model, self.opt, self.w, self.data, steps)
+        return _steps(self.model, self.opt, self.loss, self.data, steps)
 
     def close(self) -> None:
         if hasattr(self.model, "close"):
@@ -120,7 +126,7 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
         if ddp:
             dist.barrier()
         waited = model._nodes.waited_s if mode == "nodes" else 0.0
-        elapsed = _steps(model, opt, w, data, steps)
+        elapsed = _steps(model, opt, w.loss, data, steps)
         if ddp:
             dist.barrier()
         conn.send((elapsed, (model._nodes.waited_s - waited) if mode == "nodes" else 0.0))
@@ -213,6 +219,14 @@ def bench(workloads: list[str], setups: list[str], workers: int, steps: int, war
                 entry["framework_ms_per_step"] = (
                     entry["setups"]["dpool"]["ms_per_step"] - entry["setups"]["ideal"]["ms_per_step"]
                 )
+        if "dpool-loss" in med:  # the loss on the workers
+            for s in ("ddp", "single"):
+                if s in med:
+                    entry.setdefault("ratios", {})[f"dpool-loss/{s}"] = med["dpool-loss"] / med[s]
+            if "ideal" in med:
+                entry["framework_loss_ms_per_step"] = (
+                    entry["setups"]["dpool-loss"]["ms_per_step"] - entry["setups"]["ideal"]["ms_per_step"]
+                )
         if waited is not None:  # the cross-node time the step could not hide (rank 0)
             entry["nodes_exposed_collective_ms_per_step"] = 1000 * statistics.median(waited) / steps
             if "ddp" in med:
@@ -240,6 +254,12 @@ def table(results: dict) -> str:
             # dpool − ideal below zero is noise or a workload where dpool beats one shard alone (its
             # workers keep their heap): no framework cost to read, so it is not printed as negative
             ratios += f"; framework {fw:.2f} ms/step" if fw >= 0 else "; framework < 0 (dpool faster than ideal)"
+        loss_ratios = ", ".join(f"{k.split('/')[1]} {v:.2f}×" for k, v in e.get("ratios", {}).items()
+                                if k.startswith("dpool-loss/"))
+        if loss_ratios:
+            ratios += f"; dpool-loss: {loss_ratios}"
+            if "framework_loss_ms_per_step" in e:
+                ratios += f", framework {e['framework_loss_ms_per_step']:.2f} ms/step"
         lines.append(f"| {wname} | {e['global_batch']} | " + " | ".join(cells) + f" | {ratios} |")
     m = results["machine"]
     lines.append("")
@@ -265,7 +285,7 @@ def chart(results: dict, path: str) -> None:
         vals = [e[s]["samples_per_s"] for s in setups]
         errs = [[v - e[s]["samples_per_s_min"] for s, v in zip(setups, vals)],
                 [e[s]["samples_per_s_max"] - v for s, v in zip(setups, vals)]]
-        ax.bar(setups, vals, yerr=errs, color=["#888" if s != "dpool" else "#d62" for s in setups])
+        ax.bar(setups, vals, yerr=errs, color=["#d62" if s.startswith("dpool") else "#888" for s in setups])
         ax.set_title(wname)
         ax.set_ylabel("samples/s")
         ax.tick_params(axis="x", rotation=30)
@@ -302,8 +322,8 @@ def balance_demo(steps: int, repeats: int) -> str:
         slow = model.pids[1]
         model.worker_states(lambda m, p=slow: setattr(m, "slow_pid", p))
         opt = torch.optim.SGD(model.parameters(), lr=w.lr)
-        _steps(model, opt, w, data, 5)
-        times = [_steps(model, opt, w, data, steps) for _ in range(repeats)]
+        _steps(model, opt, w.loss, data, 5)
+        times = [_steps(model, opt, w.loss, data, steps) for _ in range(repeats)]
         shares = model._runtime.balancer.weights()
         model.close()
         sps = w.global_batch * steps / statistics.median(times)
@@ -419,11 +439,11 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
         torch.manual_seed(0)
         model = dpool.wrap(w.make(), ["cpu"] * n, worker_threads=1)
         opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
-        _steps(model, opt, w, data, 20)
+        _steps(model, opt, w.loss, data, 20)
         cpu, wall = [], []
         for _ in range(repeats):
             c0 = time.process_time()
-            wall.append(_steps(model, opt, w, data, steps) / steps)
+            wall.append(_steps(model, opt, w.loss, data, steps) / steps)
             cpu.append((time.process_time() - c0) / steps)
         model.close()
         bare = statistics.median(_zmq_rounds(n, steps) for _ in range(repeats))
@@ -440,7 +460,7 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mlp,cnn,lstm,probe,resnet18")
-    ap.add_argument("--setups", default="single,dp,ddp,dpool,ideal,ceiling")
+    ap.add_argument("--setups", default="single,dp,ddp,dpool,dpool-loss,ideal,ceiling")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="steps per repeat (default: per workload)")
     ap.add_argument("--warmup", type=int, default=3)

@@ -258,7 +258,8 @@ class DataParallel(nn.DataParallel):
             ``pid``, ``forward_ms`` and ``backward_ms``, the time its handler took in the latest
             forward and backward; with ``inspect``, ``graphs_kept`` and ``rss_bytes``) and
             ``bytes_per_step`` (``inputs``, ``outputs``, ``output_grads`` and ``param_grads`` moved
-            through shared memory in the latest step).
+            through shared memory in the latest step), ``backward_rounds_saved`` (backwards of a
+            :class:`dpool.criterion`'s loss that the workers had already run in the loss round).
         """
         rt = self._runtime
         if rt is None:

@@ -42,10 +42,10 @@ def test_benchmark_smoke(tmp_path):
     data = json.loads((tmp_path / "smoke.json").read_text())
     for w in ("probe", "mlp"):
         setups = data["workloads"][w]["setups"]
-        assert set(setups) == {"single", "dp", "ddp", "dpool", "ideal", "ceiling"}
+        assert set(setups) == {"single", "dp", "ddp", "dpool", "dpool-loss", "ideal", "ceiling"}
         assert all(v["samples_per_s"] > 0 for v in setups.values())
     assert (tmp_path / "smoke.png").stat().st_size > 0
-    assert "| probe |" in res.stdout
+    assert "| probe |" in res.stdout and "dpool-loss: ddp" in res.stdout
 
 
 def test_benchmark_balance_demo_smoke():
