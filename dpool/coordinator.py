@@ -121,6 +121,7 @@ class Runtime:
         # restart and re-sync; a speculative backward's result is only used while this has not moved.
         self._slot_gen = 0
         self._workers_hold = False  # the workers may hold no_sync gradients (a backward with hold ran since)
+        self._sent_requires_grad = b""
         self.buffer_policy = buffers
         self._rank0_buffers: torch.Tensor | None = None  # cross-node, buffers="first": staging for the broadcast
         self.gather_outputs = gather
@@ -416,6 +417,9 @@ class Runtime:
         rg = [grad and t.requires_grad for t in tensors]
         training = bytes(m.training for m in self.master.modules)
         requires_grad = bytes(p.requires_grad for p in self.params)
+        if requires_grad != self._sent_requires_grad:  # the workers zero the slots of newly frozen parameters
+            self._slot_gen += 1
+            self._sent_requires_grad = requires_grad
         autocast = None
         kind = self.device.type  # autocast of the workers' device type ("cuda" or "cpu")
         if torch.is_autocast_enabled(kind):
@@ -785,6 +789,7 @@ class Runtime:
     @_one_call_at_a_time
     def call_workers(self, fn: Any) -> list[Any]:
         payload = cloudpickle.dumps(fn)
+        self._slot_gen += 1  # fn may run anything on the replicas, a backward included
         replies = self._request({i: P.Call(payload) for i in range(self.n)}, "running a function")
         self._raise_failures(replies, "worker_states")
         return [cloudpickle.loads(replies[i].result) for i in range(self.n)]

@@ -379,6 +379,14 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
                 loss_of("mean", model(xi), y).backward()
             elif kind == "mse":
                 loss_of("mse", out, y2).backward()
+            elif kind == "frozen_between":  # a forward that freezes a parameter zeroes its slot on the workers
+                loss = loss_of("mean", out, y)
+                w0 = dict(zip((fast, slow, ref), (net, plain, ref)))[model].net[0].weight
+                w0.requires_grad_(False)
+                model(xi)
+                w0.requires_grad_(True)
+                model(xi)  # the replicas take the flag back before the backward, as the master has it
+                loss.backward()
             else:
                 loss_of("mean", out, y).backward()
         assert saved() - before == expect_saved, kind
@@ -407,4 +415,6 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
     step("unused", 0)  # a loss never backpropagated turns it off until a backward would have used it
     step("plain", 1)
     step("mse", 0)
+    step("plain", 1)
+    step("frozen_between", 0)
     step("plain", 1)
