@@ -138,6 +138,8 @@ class CallState:
         self.fseq = 0  # cross-node mode: the training forward this call was (its backward's header names it)
         self.diff_inputs: list[torch.Tensor] = []  # set by the runtime: what a double backward differentiates
         self.diff_params: list[torch.Tensor] = []
+        self.diff_idx: list[int] = []  # the indices of diff_params among the master's parameters
+        self.bridge_idx: list[int] = []  # the parameters the next Bridge.apply takes (diff_idx, or a gather's)
         self.input_devices: list[torch.device] = []  # of the inputs that require grad, in order
         dim = runtime.dim
         self.differentiable = [any(metas[s][g[s]].requires_grad for s in range(k)) for g in groups]
@@ -247,6 +249,7 @@ class Bridge(torch.autograd.Function):
     def forward(ctx: Any, state: CallState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         state.ctx = ctx
         ctx.state = state
+        ctx.param_idx = state.bridge_idx
         ctx.save_for_backward(inputs[0])  # lets the runtime see when the graph is freed
         outs = state.gather()
         frozen = [o for o, d in zip(outs, state.differentiable) if not d or not (o.is_floating_point() or o.is_complex())]
@@ -258,7 +261,7 @@ class Bridge(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         ctx.saved_tensors  # raises torch's own error on a second backward without retain_graph
         state: CallState = ctx.state
-        return (None, *state.runtime.backward(state, grads))
+        return (None, *state.runtime.backward(state, grads, None, ctx.param_idx))
 
 
 class DoubleState:

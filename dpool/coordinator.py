@@ -504,8 +504,10 @@ class Runtime:
                           [[t.shape for t in shards[s]] for s in range(k)])
         state.fseq = self.nodes.fseq if self.nodes is not None else 0  # the training forward its backward names
         diff_inputs = [t for t, r in zip(tensors, rg) if r]
-        diff_params = [p for p in self.params if p.requires_grad] if grad else []
+        diff_idx = [i for i, p in enumerate(self.params) if p.requires_grad] if grad else []
+        diff_params = [self.params[i] for i in diff_idx]
         state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
+        state.diff_idx = state.bridge_idx = diff_idx
         state.input_devices = [t.device for t in diff_inputs]
         if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
             handle = ShardedOutput(self, state, specs, diff_inputs)
@@ -579,6 +581,7 @@ class Runtime:
         speculate = (guess is not None and crit._speculate and self._speculable and not self.cuda
                      and self.nodes is None and not self.no_sync and not self._workers_hold)
         seed, seed_dtype = (guess.seed, dtype_name(dtype)) if speculate and guess is not None else (b"", "")
+        flags = bytes(p.requires_grad for p in self.params)  # the early backward's; checked again at backward
         if speculate:
             self._slot_gen += 1  # the workers write their slots in this round, whatever its outcome
         for s in range(k):
@@ -589,7 +592,8 @@ class Runtime:
             # the loss graph may save the targets: keep their region until the call is released
             self.io.keep(s, (state.call, "targets", id(seg), start), (seg, start, start + placer.offset))
             gin = self.io.ensure(s, "gin", state.gin_sizes[s]).ref() if speculate else [None, 0]
-            msgs[s] = P.Criterion(state.call, crit._bytes, spec, metas, seg.ref(), seed, seed_dtype, gin, pool.step)
+            msgs[s] = P.Criterion(state.call, crit._bytes, spec, metas, seg.ref(), seed, seed_dtype, gin, pool.step,
+                                  flags)
         replies = self._request(msgs, "computing the loss")
         pool.unlink_segments()
         self._raise_failures(replies, "criterion")
@@ -599,12 +603,13 @@ class Runtime:
             ran = speculate and all(r.backward for r in done) and guess.matches([r.denom for r in done])
             guess.gen = self._slot_gen if ran else -1
             guess.replies = done if ran else None
+            guess.flags = flags
             crit._last = guess
         return combine(self, handle, done, dtype, crit.reduction, guess, crit)
 
     @_one_call_at_a_time
-    def backward_speculated(self, state: CallState, guess: Any, seed: torch.Tensor, crit: Any
-                            ) -> list[torch.Tensor | None] | None:
+    def backward_speculated(self, state: CallState, guess: Any, seed: torch.Tensor, crit: Any,
+                            param_idx: Sequence[int]) -> list[torch.Tensor | None] | None:
         """The gradients of a criterion's loss whose backward the workers ran right after it (see
         :meth:`criterion`), if ``seed`` (this backward's gradient for each shard's loss) is bitwise the one
         they used and their slots still hold the result; ``None``: run the backward round instead."""
@@ -612,7 +617,8 @@ class Runtime:
         hit = guess.hit(seed)
         crit._speculate = hit  # a miss (a scaled loss, GradScaler) turns speculation off until a would-be hit
         if (not hit or guess.replies is None or guess.gen != self._slot_gen or self.no_sync
-                or torch.is_grad_enabled() or self.graphs.lost(state.call)):
+                or torch.is_grad_enabled() or self.graphs.lost(state.call)
+                or guess.flags != bytes(p.requires_grad for p in self.params)):
             return None
         self.pool.check_usable()
         replies = guess.replies
@@ -626,7 +632,7 @@ class Runtime:
         self.stats.backward_rounds_saved += 1
         self.balancer.observe(1, busy, state.rows)
         input_grads = state.input_grads([r.input_grads for r in replies])
-        return input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
+        return input_grads + [param_grads[i] for i in param_idx]
 
     @_one_call_at_a_time
     def gather_kept(self, handle: Any) -> Any:
@@ -642,8 +648,10 @@ class Runtime:
         self._raise_failures(replies, "gather")
         state.metas = [replies[s].tensors for s in range(state.k)]
         state.outs = [self.io.segment(s, "out") for s in range(state.k)]
-        grad_inputs = handle._diff_inputs + [p for p in self.params if p.requires_grad]
+        idx = [i for i, p in enumerate(self.params) if p.requires_grad]
+        grad_inputs = handle._diff_inputs + [self.params[i] for i in idx]
         if torch.is_grad_enabled() and grad_inputs and any(state.differentiable):
+            state.bridge_idx = idx
             gathered = Bridge.apply(state, *grad_inputs)
             state.ctx.handle = handle  # the gathered output's graph keeps the outputs on the workers alive
             state.ctx = None
@@ -656,19 +664,22 @@ class Runtime:
     # ------------------------------------------------------------------ backward
     @_one_call_at_a_time
     def backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
-                 pieces: list[list[torch.Tensor | None]] | None = None) -> list[torch.Tensor | None]:
+                 pieces: list[list[torch.Tensor | None]] | None = None,
+                 param_idx: Sequence[int] = ()) -> list[torch.Tensor | None]:
         """Backpropagate on the workers. ``pieces``: per shard, gradients by worker output index
         (given directly for losses computed on the workers); otherwise sliced from ``grads``.
+        ``param_idx``: the parameters (by index) the calling autograd Function took as inputs, whose
+        gradients are returned after the input gradients (``None`` for one that no longer requires grad).
 
         Under ``create_graph=True`` (autograd runs this with grad mode on) the gradients returned are
         differentiable: see :class:`dpool.bridge.DoubleBridge`.
         """
         if self.nodes is not None and not self.no_sync:
-            return self._synced(lambda: self._backward(state, grads, pieces))
-        return self._backward(state, grads, pieces)
+            return self._synced(lambda: self._backward(state, grads, pieces, param_idx))
+        return self._backward(state, grads, pieces, param_idx)
 
     def _backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
-                  pieces: list[list[torch.Tensor | None]] | None) -> list[torch.Tensor | None]:
+                  pieces: list[list[torch.Tensor | None]] | None, param_idx: Sequence[int]) -> list[torch.Tensor | None]:
         pool = self.pool
         pool.check_usable()
         if self.graphs.lost(state.call):
@@ -697,7 +708,7 @@ class Runtime:
         param_grads, replies = self._backward_round(state.call, state.k, per_shard, state.gin_sizes, keep,
                                                     self.no_sync, rows=state.rows, at=state.fseq)
         input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
-        out = input_grads + [g for g, p in zip(param_grads, self.params) if p.requires_grad]
+        out = input_grads + [param_grads[i] for i in param_idx]
         if not create_graph:
             return out
         # the gradients' graph lives on the workers as call `keep`; its input regions must outlive it
@@ -719,6 +730,7 @@ class Runtime:
         """One backward round on ``k`` shards of ``call``: the summed parameter gradients and the replies."""
         pool = self.pool
         msgs: dict[int, P.Message] = {}
+        flags = bytes(p.requires_grad for p in self.params)  # accumulate as one process would now
         for s in range(k):
             mine = per_shard[s]
             placer = Placer()
@@ -728,7 +740,7 @@ class Runtime:
             gin = self.io.ensure(s, "gin", gin_sizes[s])
             sparse = self.io.segment(s, "sparse")
             msgs[s] = P.Backward(call, pool.step, seg.ref(), gmetas, gin.ref(), hold,
-                                 sparse.ref() if sparse is not None else [None, 0], keep)
+                                 sparse.ref() if sparse is not None else [None, 0], keep, flags)
         self._slot_gen += 1  # the slots are written from here on, whatever the outcome
         if hold:
             self._workers_hold = True
@@ -776,7 +788,7 @@ class Runtime:
         per_shard, gin_sizes = double.pieces(vs)
         param_grads, replies = self._backward_round(double.call, double.k, per_shard, gin_sizes, 0, False)
         return double.results([replies[s].input_grads for s in range(double.k)],
-                              [g for g, p in zip(param_grads, self.params) if p.requires_grad])
+                              [param_grads[i] for i in double.state.diff_idx])
 
     # ------------------------------------------------------------------ misc
     def _follow_backend_flags(self) -> None:

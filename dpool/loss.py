@@ -122,13 +122,13 @@ class LossBridge(torch.autograd.Function):
         seed = (grad / box.denom).to(box.value.dtype).reshape(())  # each shard loss's gradient
         guess, box.guess = box.guess, None  # a second backward (retain_graph=True) runs its own round
         if guess is not None:
-            done = box.runtime.backward_speculated(box.state, guess, seed, box.crit)
+            done = box.runtime.backward_speculated(box.state, guess, seed, box.crit, box.param_idx)
             if done is not None:
                 return (None, *done)
         pieces = [[None] * (idx + 1) for idx in box.indices]
         for s, idx in enumerate(box.indices):
             pieces[s][idx] = seed
-        return (None, *box.runtime.backward(box.state, (), pieces))
+        return (None, *box.runtime.backward(box.state, (), pieces, box.param_idx))
 
 
 class Speculation:
@@ -141,13 +141,14 @@ class Speculation:
     loss happened.
     """
 
-    __slots__ = ("seed", "value", "dtype", "denom", "gen", "replies", "settled")
+    __slots__ = ("seed", "value", "dtype", "denom", "gen", "replies", "settled", "flags")
 
     def __init__(self, seed: bytes, value: float, dtype: torch.dtype, denom: float | None) -> None:
         self.seed, self.value, self.dtype, self.denom = seed, value, dtype, denom
         self.gen = -1
         self.replies: list | None = None
         self.settled = False
+        self.flags = b""  # the parameters' requires_grad flags the early backward ran with
 
     def matches(self, denoms: list[float]) -> bool:
         """Whether the shards' denominators add up as predicted (always, for a sum)."""
@@ -188,13 +189,14 @@ def predict_seed(crit: criterion, targets: tuple, shard_targets: Callable[[], li
 
 
 class _LossBox:
-    __slots__ = ("runtime", "state", "value", "denom", "indices", "handle", "guess", "crit")
+    __slots__ = ("runtime", "state", "value", "denom", "indices", "handle", "guess", "crit", "param_idx")
 
     def __init__(self, runtime: "Runtime", handle: ShardedOutput, value: torch.Tensor, denom: float,
                  indices: list[int], guess: Speculation | None, crit: criterion) -> None:
         self.runtime, self.state, self.value, self.denom, self.indices = runtime, handle._state, value, denom, indices
         self.handle = handle  # the loss's graph keeps the outputs on the workers alive
         self.guess, self.crit = guess, crit
+        self.param_idx = [i for i, p in enumerate(runtime.params) if p.requires_grad]  # LossBridge's inputs
 
 
 def target_denominator(loss_fn: Any, targets: tuple) -> float | None:
@@ -222,7 +224,7 @@ def combine(runtime: "Runtime", handle: ShardedOutput, replies: list, dtype: tor
     denom = sum(r.denom for r in replies) if reduction == "mean" else 1.0
     value = torch.tensor(total / denom if denom else total, dtype=dtype, device=runtime.output_device)
     box = _LossBox(runtime, handle, value, denom if denom else 1.0, [r.index for r in replies], guess, crit)
-    grad_inputs = handle._diff_inputs + [p for p in runtime.params if p.requires_grad]
+    grad_inputs = handle._diff_inputs + [runtime.params[i] for i in box.param_idx]
     if torch.is_grad_enabled() and grad_inputs and any(handle._state.differentiable):
         return LossBridge.apply(box, *grad_inputs)
     return value

@@ -95,7 +95,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 8  # 8: criterion may carry a backward seed; criterion_done reports that backward
+PROTOCOL_VERSION = 8  # 8: criterion may carry a backward seed; criterion_done reports that backward;
+# backward and criterion carry the parameters' requires_grad flags of the moment
 # 7: keyed BLAKE2b MACs instead of HMAC-SHA256
 # 6: bucket_ready (gradient buckets reported during backward); backward_done's late
 # 5: a typed boot message; inspect replaces release (used only by tests)
@@ -350,7 +351,7 @@ class FetchDone(Message):
 
 
 @_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_METAS, input_grads=_LIST, hold=_BOOL,
-          sparse=_LIST, keep_as=_INT)
+          sparse=_LIST, keep_as=_INT, requires_grad=_BYTES)
 class Backward(Message):
     """Backpropagate ``grad_tensors`` (metas in ``grads``, ``None`` for no gradient) through ``call``.
 
@@ -360,6 +361,9 @@ class Backward(Message):
     gradients too and keep it as call ``keep_as``, whose outputs are the gradients of the
     parameters that require grad, then of the input leaves, and whose leaves are the incoming
     gradients, then the inputs; a later ``backward`` of ``keep_as`` differentiates the gradients.
+    ``requires_grad``: one byte per parameter, the master's flags when the backward was called; the
+    worker backpropagates with those (as one process accumulates only into parameters that require
+    grad at backward time) and puts back its own, those of the latest forward, afterwards.
     """
 
     call: int
@@ -370,6 +374,7 @@ class Backward(Message):
     hold: bool
     sparse: SegRef
     keep_as: int
+    requires_grad: bytes
 
 
 @_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_METAS, busy=(float,), sparse=_LIST,
@@ -411,7 +416,7 @@ class FetchSparseDone(Message):
 
 
 @_message("criterion", call=_INT, fn=_BYTES, tree=(object,), tensors=_METAS, inputs=_LIST, seed=_BYTES,
-          seed_dtype=_STR, input_grads=_LIST, step=_INT)
+          seed_dtype=_STR, input_grads=_LIST, step=_INT, requires_grad=_BYTES)
 class Criterion(Message):
     """Apply a pickled loss module to the outputs ``call`` kept (``gather=False``) and this shard's targets.
 
@@ -419,7 +424,8 @@ class Criterion(Message):
     the shard's loss with it at once, as a :class:`Backward` of the call with that output gradient would
     (gradients into the slot, input gradients into ``input_grads``): the coordinator sends it only when it
     can tell in advance the gradient ``loss.backward()`` will give each shard, and uses the result only
-    if that gradient turns out to be bitwise this seed (see ``dpool.loss``).
+    if that gradient turns out to be bitwise this seed (see ``dpool.loss``), with ``requires_grad`` (as in
+    :class:`Backward`) unchanged by then.
     """
 
     call: int
@@ -431,6 +437,7 @@ class Criterion(Message):
     seed_dtype: str
     input_grads: SegRef
     step: int
+    requires_grad: bytes
 
 
 @_message("criterion_done", call=_INT, index=_INT, value=(float,), denom=(float,), backward=_BOOL,

@@ -432,3 +432,37 @@ def test_huggingface_gpt2_with_cache_returns_one_dynamic_cache(wrap):
     for layer, ref_layer in zip(out.past_key_values.layers, ref.past_key_values.layers):
         torch.testing.assert_close(layer.keys, ref_layer.keys)
         torch.testing.assert_close(layer.values, ref_layer.values)
+
+
+@pytest.mark.parametrize("path", ["gathered", "loss_on_workers"])
+def test_requires_grad_changed_between_forward_and_backward_follows_one_process(wrap, path):
+    """One process accumulates into the parameters that require grad when the backward runs. A parameter
+    frozen after the forward used to crash the backward ("BridgeBackward returned an incorrect number of
+    gradients"); one frozen for a forward in between and unfrozen before the backward came back with no
+    gradient at all. Both now give one process's gradients, gathered or with the loss on the workers."""
+    torch.manual_seed(0)
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net, gather=path == "gathered")
+    crit = dpool.criterion(nn.CrossEntropyLoss())
+    x, y = torch.randn(6, 12, dtype=torch.float64), torch.randint(0, 4, (6,))
+
+    def loss_of(m, out):
+        return crit(out, y) if m is model and path != "gathered" else nn.functional.cross_entropy(out, y)
+
+    for case in ("frozen_after_forward", "frozen_for_a_forward_between"):
+        for m, n in ((model, net), (ref, ref)):
+            n.zero_grad(set_to_none=True)
+            w = n.net[0].weight
+            loss = loss_of(m, m(x))
+            w.requires_grad_(False)
+            if case == "frozen_for_a_forward_between":
+                m(x)  # the replicas see the flag: their graphs of the first forward hold it
+                w.requires_grad_(True)
+            loss.backward()
+            w.requires_grad_(True)
+            m(x)  # flags back on the replicas too
+        for (name, p), r in zip(net.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (r.grad is None), (case, name)
+            if r.grad is not None:
+                torch.testing.assert_close(p.grad, r.grad, msg=f"{case}: {name}")

@@ -129,6 +129,7 @@ class Replica:
         self._late = False
         self._training = b""
         self._requires_grad = b""
+        self._flags_now = b""  # the parameters' requires_grad flags now (a backward's, while it runs)
         # The coordinator's interprocess event: recorded before each request, waited on by our stream
         # before we touch its memory (NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc).
         self.event: Any = None
@@ -172,7 +173,7 @@ class Replica:
         self.unfetched_sparse.clear()
         self._holding = False
         self._report_call = -1
-        self._training = self._requires_grad = b""
+        self._training = self._requires_grad = self._flags_now = b""
         for p in msg.sys_path:
             if isinstance(p, str) and p not in sys.path:
                 sys.path.append(p)
@@ -300,7 +301,7 @@ class Replica:
                 if not flag:  # frozen: its slot holds zeros, not a stale gradient, in every sum
                     self.grad_views[i].zero_()
                     self._written[i] = 0
-            self._requires_grad = requires_grad
+            self._requires_grad = self._flags_now = requires_grad
 
     def _sync(self) -> None:
         """On a GPU: wait for this request's CUDA work, so that ``busy`` times it (the reply waits anyway)."""
@@ -400,9 +401,24 @@ class Replica:
             if meta is not None and t is not None and t.requires_grad:
                 roots.append(t)
                 grads.append(read(gseg.views, meta))
-        if msg.keep_as:
-            return self._backward_create_graph(msg, call, roots, grads, giseg, t0)
-        return self._backward(msg.call, call, roots, grads, giseg, msg.input_grads[1], msg.hold, msg.sparse, t0)
+        own = self._backward_flags(msg.requires_grad)
+        try:
+            if msg.keep_as:
+                return self._backward_create_graph(msg, call, roots, grads, giseg, t0)
+            return self._backward(msg.call, call, roots, grads, giseg, msg.input_grads[1], msg.hold, msg.sparse, t0)
+        finally:
+            self._backward_flags(own)
+
+    def _backward_flags(self, flags: bytes) -> bytes:
+        """Give the parameters ``flags`` (one process accumulates into those that require grad when the backward
+        runs); returns what to give back afterwards. The slots are left alone: the next forward's flags decide
+        which hold zeros."""
+        if not flags or flags == self._flags_now:
+            return self._flags_now
+        before, self._flags_now = self._flags_now, flags
+        for p, flag in zip(self.params, flags):
+            p.requires_grad_(bool(flag))
+        return before
 
     def _backward(self, call_id: int, call: _Call, roots: list[torch.Tensor], grads: list[torch.Tensor],
                   giseg: Mapped, gin_size: int, hold: bool, sparse_ref: list, t0: float,
@@ -580,6 +596,7 @@ class Replica:
         if self.on_gpu:
             seed = seed.to(self.device)
         self.stage = f"running backward at step {msg.step} (right after the loss)"
+        own = self._backward_flags(msg.requires_grad)
         try:
             return self._backward(msg.call, call, [total], [seed], self._seg("gin", msg.input_grads),
                                   msg.input_grads[1], False, [None, 0], time.perf_counter(), speculative=True)
@@ -592,6 +609,8 @@ class Replica:
             self._written = bytearray(len(self.params))
             self._holding = False
             return None
+        finally:
+            self._backward_flags(own)
 
     # ---------------------------------------------------------------- misc
     def inspect(self, msg: P.Inspect) -> P.Message:
