@@ -258,8 +258,9 @@ def table(results: dict) -> str:
                                 if k.startswith("dpool-loss/"))
         if loss_ratios:
             ratios += f"; dpool-loss: {loss_ratios}"
-            if "framework_loss_ms_per_step" in e:
-                ratios += f", framework {e['framework_loss_ms_per_step']:.2f} ms/step"
+            fw = e.get("framework_loss_ms_per_step")
+            if fw is not None:
+                ratios += f", framework {fw:.2f} ms/step" if fw >= 0 else ", framework < 0"
         lines.append(f"| {wname} | {e['global_batch']} | " + " | ".join(cells) + f" | {ratios} |")
     m = results["machine"]
     lines.append("")
