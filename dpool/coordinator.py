@@ -679,7 +679,8 @@ class Runtime:
         return self._backward(state, grads, pieces, param_idx)
 
     def _backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
-                  pieces: list[list[torch.Tensor | None]] | None, param_idx: Sequence[int]) -> list[torch.Tensor | None]:
+                  pieces: list[list[torch.Tensor | None]] | None,
+                  param_idx: Sequence[int]) -> list[torch.Tensor | None]:
         pool = self.pool
         pool.check_usable()
         if self.graphs.lost(state.call):

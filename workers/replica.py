@@ -424,8 +424,8 @@ class Replica:
                   giseg: Mapped, gin_size: int, hold: bool, sparse_ref: list, t0: float,
                   speculative: bool = False) -> P.BackwardDone:
         """Backpropagate ``grads`` from ``roots``: parameter gradients into the slot (or held, ``hold``), input
-        gradients into ``giseg`` (``gin_size`` bytes). ``speculative`` (a criterion's seed): no bucket reports, and sparse
-        gradients raise :class:`_NotSpeculable` instead of being written."""
+        gradients into ``giseg`` (``gin_size`` bytes). ``speculative`` (a criterion's seed): no bucket reports,
+        and sparse gradients raise :class:`_NotSpeculable` instead of being written."""
         if not self._holding:  # a fresh accumulation (a failed backward's partial one is dropped too)
             for p in self.params:
                 p.grad = None
