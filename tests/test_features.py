@@ -418,3 +418,46 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
     step("plain", 1)
     step("frozen_between", 0)
     step("plain", 1)
+
+
+class _BackwardFailsIf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, fail):
+        ctx.fail = fail
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.fail:
+            raise ArithmeticError("backward exploded")
+        return g, None
+
+
+class FailsInBackward(nn.Module):
+    """Its backward raises on a shard whose first column holds a value over 100."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return _BackwardFailsIf.apply(self.lin(x), bool((x[:, 0] > 100).any()))
+
+
+def test_error_in_the_backward_with_the_loss_is_raised_by_loss_backward(wrap):
+    """The backward the workers run with the loss fails on one shard: the loss still comes back, and
+    loss.backward() runs the backward round, which raises the model's error, master untouched; the next
+    step runs the backward with the loss again."""
+    model = wrap(FailsInBackward(), gather=False)
+    crit = dpool.criterion(nn.CrossEntropyLoss())
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    x[5, 0] = 1000.0  # shard 1
+    loss = crit(model(x), y)
+    with pytest.raises(ArithmeticError, match="backward exploded") as info:
+        loss.backward()
+    assert info.value.worker == 1
+    assert all(p.grad is None for p in model.parameters())
+    assert model.stats()["backward_rounds_saved"] == 0
+    crit(model(torch.randn(8, 4)), y).backward()
+    assert model.stats()["backward_rounds_saved"] == 1
+    assert all(p.grad is not None for p in model.parameters())
