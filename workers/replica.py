@@ -56,21 +56,29 @@ def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     engine.run_backward(tuple(roots), tuple(grads), True, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
-def _sum_and_denominator(loss_fn: Any, out: Any, args: tuple) -> tuple[torch.Tensor, float]:
+def _reduced_as(loss_fn: Any, reduction: str, cache: dict[tuple[int, str], tuple[Any, Any]]) -> Any:
+    """A shallow copy of ``loss_fn`` with ``reduction``; made once per loss module (the worker keeps the
+    unpickled criterion, so the same object comes every step) and kept in ``cache``."""
+    got = cache.get((id(loss_fn), reduction))
+    if got is None or got[0] is not loss_fn:
+        import copy
+
+        other = copy.copy(loss_fn)
+        other.reduction = reduction
+        got = cache[(id(loss_fn), reduction)] = (loss_fn, other)
+    return got[1]
+
+
+def _sum_and_denominator(loss_fn: Any, out: Any, args: tuple,
+                         cache: dict[tuple[int, str], tuple[Any, Any]]) -> tuple[torch.Tensor, float]:
     """The shard's loss with ``reduction="sum"`` and what the mean divides by, so that the
     coordinator's ``sum(totals) / sum(denominators)`` equals the full-batch mean exactly
     (class weights and ``ignore_index`` included)."""
-    import copy
-
-    summed = copy.copy(loss_fn)
-    summed.reduction = "sum"
-    total = summed(out, *args)
+    total = _reduced_as(loss_fn, "sum", cache)(out, *args)
     denom = target_denominator(loss_fn, args)
     if denom is None:
-        unreduced = copy.copy(loss_fn)
-        unreduced.reduction = "none"
         with torch.no_grad():
-            denom = float(unreduced(out, *args).numel())
+            denom = float(_reduced_as(loss_fn, "none", cache)(out, *args).numel())
     return total, denom
 
 
@@ -130,6 +138,7 @@ class Replica:
         self._training = b""
         self._requires_grad = b""
         self._flags_now = b""  # the parameters' requires_grad flags now (a backward's, while it runs)
+        self._reduced: dict[tuple[int, str], tuple[Any, Any]] = {}  # criterion copies with another reduction
         # The coordinator's interprocess event: recorded before each request, waited on by our stream
         # before we touch its memory (NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc).
         self.event: Any = None
@@ -574,7 +583,7 @@ class Replica:
             if reduction == "sum":
                 total, denom = loss_fn(call.out, *args), 1.0
             elif reduction == "mean":
-                total, denom = _sum_and_denominator(loss_fn, call.out, args)
+                total, denom = _sum_and_denominator(loss_fn, call.out, args, self._reduced)
             else:
                 raise ValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
         call.outputs.append(total)
