@@ -574,6 +574,8 @@ class Runtime:
         if crit.backward_with_loss and torch.is_grad_enabled() and grad_inputs and any(state.differentiable):
             guess = predict_seed(crit, tuple(targets),
                                  lambda: [_tree.unflatten(spec, sh.__getitem__) for sh in shards],
+                                 lambda: [list(state.metas[s][0].shape) if handle._specs[s] == ["T", 0] else None
+                                          for s in range(k)],
                                  dtype, self.output_device)
         last = crit._last
         if last is not None and not last.settled:  # the previous loss of this criterion was never backpropagated

@@ -11,8 +11,9 @@ value. ``loss.backward()`` backpropagates on the workers from their shard losses
 
 *The backward right after the loss.* ``loss.backward()`` gives each shard's loss the gradient
 ``1 / denominator`` (``1`` for ``reduction="sum"``). When the coordinator can compute that number
-before the loss round (a sum, or a mean whose denominators the targets decide: class-index
-cross-entropy and NLL, see :func:`target_denominator`), it sends it with the loss, and each worker
+before the loss round (a sum, or a mean whose denominators the targets and the outputs' shapes
+decide: class-index cross-entropy and NLL, see :func:`target_denominator`, and elementwise losses
+such as ``MSELoss``, see :func:`elementwise_denominator`), it sends it with the loss, and each worker
 runs its backward with it at once, in the same round. ``loss.backward()`` then only sums the
 gradient slots: one round per step less. The result is used only if the gradient autograd actually
 passes is bitwise that number, the denominators came out as predicted, and no other backward,
@@ -25,6 +26,8 @@ workers only, outside cross-node mode, and not for models with SyncBatchNorm or 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
+
+import math
 
 import cloudpickle
 import torch
@@ -159,26 +162,48 @@ class Speculation:
         return seed.dtype == self.dtype and self.value != 0.0 and seed.item() == self.value
 
 
-def predict_seed(crit: criterion, targets: tuple, shard_targets: Callable[[], list[tuple]], dtype: torch.dtype,
+# Losses whose mean divides by the number of elements of the input and the target broadcast together
+# (their unreduced loss has that shape). Exact types: a subclass may reduce otherwise.
+_ELEMENTWISE = (torch.nn.L1Loss, torch.nn.MSELoss, torch.nn.SmoothL1Loss, torch.nn.HuberLoss, torch.nn.BCELoss,
+                torch.nn.BCEWithLogitsLoss, torch.nn.SoftMarginLoss)
+
+
+def elementwise_denominator(loss_fn: Any, out_shape: list[int] | None, targets: tuple) -> float | None:
+    """The elements a mean-reduced elementwise loss (``MSELoss``, ``L1Loss``, ``BCEWithLogitsLoss``, ...) divides
+    by, for an output of ``out_shape`` and one target tensor; ``None`` for other losses or arguments."""
+    if (type(loss_fn) not in _ELEMENTWISE or out_shape is None or len(targets) != 1
+            or not isinstance(targets[0], torch.Tensor)):
+        return None
+    try:
+        shape = torch.broadcast_shapes(tuple(out_shape), tuple(targets[0].shape))
+    except RuntimeError:  # the loss itself will raise, on the workers
+        return None
+    return float(math.prod(shape))
+
+
+def predict_seed(crit: criterion, targets: tuple, shard_targets: Callable[[], list[tuple]],
+                 output_shapes: Callable[[], list[list[int] | None]], dtype: torch.dtype,
                  device: torch.device) -> Speculation | None:
-    """What :meth:`LossBridge.backward` will pass each shard for ``loss.backward()``, if the targets decide it.
+    """What :meth:`LossBridge.backward` will pass each shard for ``loss.backward()``, if the targets (and the
+    outputs' shapes) decide it.
 
     Args:
         targets: the whole batch's targets, as given to the criterion.
-        shard_targets: makes each shard's targets (only needed with class weights, whose float sums depend
-            on the order).
+        shard_targets: makes each shard's targets (needed with class weights, whose float sums depend on the
+            order, and for elementwise losses).
+        output_shapes: makes each shard's output shape (``None`` where the output is not one tensor).
     """
     denom: float | None = None
     if crit.reduction == "mean":
-        if getattr(crit.loss, "weight", None) is not None:
+        if type(crit.loss) in _ELEMENTWISE:  # counts of elements: exact
+            found = [elementwise_denominator(crit.loss, o, t) for o, t in zip(output_shapes(), shard_targets())]
+        elif getattr(crit.loss, "weight", None) is not None:
             found = [target_denominator(crit.loss, t) for t in shard_targets()]
-            if any(d is None for d in found):
-                return None
-            denom = sum(d for d in found if d is not None)  # in shard order, as combine() adds the reports
         else:  # a count of rows: exact whatever the order
-            denom = target_denominator(crit.loss, targets)
-            if denom is None:
-                return None
+            found = [target_denominator(crit.loss, targets)]
+        if any(d is None for d in found):
+            return None
+        denom = sum(d for d in found if d is not None)  # in shard order, as combine() adds the reports
     divisor = denom if denom else 1.0
     key = (dtype, device, divisor)
     if crit._seed_key != key:  # the batch size (and so the seed) rarely changes: made once

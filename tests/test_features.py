@@ -336,7 +336,7 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
     in advance (one round per step less). Against a pool that backpropagates in rounds of its own
     (backward_with_loss=False): bitwise the same gradients and parameters, step after step, through every way
     back to the backward round (a scaled loss, two losses, retain_graph, no_sync, a loss never backpropagated,
-    an unpredictable loss); against one process: the same numbers. stats() counts the rounds saved, so each
+    an unpredictable loss) and with an elementwise loss; against one process: the same numbers. stats() counts the rounds saved, so each
     path is known to have been taken."""
     torch.manual_seed(0)
     net = models.MLP(d_out=4).double()
@@ -345,7 +345,8 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
     slow = wrap(plain, ["cpu"] * 3, gather=False)
     weight = torch.tensor([1.0, 3.0, 0.5, 2.0], dtype=torch.float64)
     losses = {"mean": nn.CrossEntropyLoss(weight=weight, ignore_index=2),  # per-shard denominators
-              "sum": nn.CrossEntropyLoss(reduction="sum"), "mse": nn.MSELoss()}  # mse: not predictable
+              "sum": nn.CrossEntropyLoss(reduction="sum"), "mse": nn.MSELoss(),  # mse: elements of the output
+              "soft": nn.CrossEntropyLoss()}  # with class probabilities: not predicted
     crits = [{k: dpool.criterion(v, backward_with_loss=b) for k, v in losses.items()} for b in (True, False)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, plain, ref)]
 
@@ -356,6 +357,7 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
     def step(kind, expect_saved):
         x = torch.randn(10, 12, dtype=torch.float64)  # 10 rows on 3 workers: shards of 4, 3, 3
         y, y2 = torch.randint(0, 4, (10,)), torch.randn(10, 4, dtype=torch.float64)
+        y3 = torch.softmax(torch.randn(10, 4, dtype=torch.float64), dim=1)
         before = saved()
         xs = [x.clone().requires_grad_(kind == "input_grad") for _ in range(3)]
         for xi, model, crit in zip(xs, (fast, slow, ref), (*crits, None)):
@@ -379,6 +381,8 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
                 loss_of("mean", model(xi), y).backward()
             elif kind == "mse":
                 loss_of("mse", out, y2).backward()
+            elif kind == "soft":
+                loss_of("soft", out, y3).backward()
             elif kind == "frozen_between":  # a forward that freezes a parameter zeroes its slot on the workers
                 loss = loss_of("mean", out, y)
                 w0 = dict(zip((fast, slow, ref), (net, plain, ref)))[model].net[0].weight
@@ -414,7 +418,8 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
     step("plain", 1)
     step("unused", 0)  # a loss never backpropagated turns it off until a backward would have used it
     step("plain", 1)
-    step("mse", 0)
+    step("mse", 1)
+    step("soft", 0)
     step("plain", 1)
     step("frozen_between", 0)
     step("plain", 1)
