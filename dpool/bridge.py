@@ -139,7 +139,6 @@ class CallState:
         self.diff_inputs: list[torch.Tensor] = []  # set by the runtime: what a double backward differentiates
         self.diff_params: list[torch.Tensor] = []
         self.diff_idx: list[int] = []  # the indices of diff_params among the master's parameters
-        self.bridge_idx: list[int] = []  # the parameters the next Bridge.apply takes (diff_idx, or a gather's)
         self.input_devices: list[torch.device] = []  # of the inputs that require grad, in order
         dim = runtime.dim
         self.differentiable = [any(metas[s][g[s]].requires_grad for s in range(k)) for g in groups]
@@ -243,13 +242,18 @@ def parts_dtype(parts: list[torch.Tensor | None]) -> torch.dtype:
 
 
 class Bridge(torch.autograd.Function):
-    """``forward``: gather the workers' outputs. ``backward``: backpropagate on the workers."""
+    """``forward``: gather the workers' outputs. ``backward``: backpropagate on the workers.
+
+    ``apply(state, param_idx, *inputs)``: ``inputs`` are the input tensors that require grad, then the master's
+    parameters ``param_idx`` (by index), whose gradients the backward returns.
+    """
 
     @staticmethod
-    def forward(ctx: Any, state: CallState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, state: CallState, param_idx: list[int],  # type: ignore[override]
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         state.ctx = ctx
         ctx.state = state
-        ctx.param_idx = state.bridge_idx
+        ctx.param_idx = param_idx
         ctx.save_for_backward(inputs[0])  # lets the runtime see when the graph is freed
         outs = state.gather()
         frozen = [o for o, d in zip(outs, state.differentiable) if not d or not (o.is_floating_point() or o.is_complex())]
@@ -261,7 +265,7 @@ class Bridge(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         ctx.saved_tensors  # raises torch's own error on a second backward without retain_graph
         state: CallState = ctx.state
-        return (None, *state.runtime.backward(state, grads, None, ctx.param_idx))
+        return (None, None, *state.runtime.backward(state, grads, None, ctx.param_idx))
 
 
 class DoubleState:

@@ -507,7 +507,7 @@ class Runtime:
         diff_idx = [i for i, p in enumerate(self.params) if p.requires_grad] if grad else []
         diff_params = [self.params[i] for i in diff_idx]
         state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
-        state.diff_idx = state.bridge_idx = diff_idx
+        state.diff_idx = diff_idx
         state.input_devices = [t.device for t in diff_inputs]
         if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
             handle = ShardedOutput(self, state, specs, diff_inputs)
@@ -516,7 +516,7 @@ class Runtime:
                 self.io.keep(s, call, spans[s])
             gathered = None
         elif grad and any(state.differentiable):
-            gathered = Bridge.apply(state, *diff_inputs, *diff_params)
+            gathered = Bridge.apply(state, diff_idx, *diff_inputs, *diff_params)
             if not isinstance(gathered, tuple):
                 gathered = (gathered,)
             self.graphs.track(call, state.ctx)
@@ -653,8 +653,7 @@ class Runtime:
         idx = [i for i, p in enumerate(self.params) if p.requires_grad]
         grad_inputs = handle._diff_inputs + [self.params[i] for i in idx]
         if torch.is_grad_enabled() and grad_inputs and any(state.differentiable):
-            state.bridge_idx = idx
-            gathered = Bridge.apply(state, *grad_inputs)
+            gathered = Bridge.apply(state, idx, *grad_inputs)
             state.ctx.handle = handle  # the gathered output's graph keeps the outputs on the workers alive
             state.ctx = None
             if not isinstance(gathered, tuple):
