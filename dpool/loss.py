@@ -230,7 +230,7 @@ def target_denominator(loss_fn: Any, targets: tuple) -> float | None:
     class weights). ``None`` otherwise (the worker then counts the unreduced loss's elements).
 
     The workers compute their shard's denominator with this function, and the coordinator predicts it with
-    the same function on the same target values (see :func:`predicted_seed`).
+    the same function on the same target values (see :func:`predict_seed`).
     """
     target = targets[0] if targets else None
     if not (isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) and isinstance(target, torch.Tensor)
