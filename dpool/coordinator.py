@@ -569,9 +569,10 @@ class Runtime:
                 raise DpoolValueError(f"target has {t.size(self.dim)} rows along dim {self.dim}, the output {sum(rows)}")
         shards = _scatter.shard_views(tensors, [rows if t.dim() > self.dim else None for t in tensors], k, self.dim)
         dtype = next((DTYPES[m.dtype] for m in state.metas[0] if DTYPES[m.dtype].is_floating_point), torch.float32)
-        grad_inputs = handle._diff_inputs + [p for p in self.params if p.requires_grad]
+        param_idx = [i for i, p in enumerate(self.params) if p.requires_grad]  # the loss's autograd inputs
         guess = None
-        if crit.backward_with_loss and torch.is_grad_enabled() and grad_inputs and any(state.differentiable):
+        if (crit.backward_with_loss and torch.is_grad_enabled() and (handle._diff_inputs or param_idx)
+                and any(state.differentiable)):
             guess = predict_seed(crit, tuple(targets),
                                  lambda: [_tree.unflatten(spec, sh.__getitem__) for sh in shards],
                                  lambda: [list(state.metas[s][0].shape) if handle._specs[s] == ["T", 0] else None
@@ -607,7 +608,7 @@ class Runtime:
             guess.replies = done if ran else None
             guess.flags = flags
             crit._last = guess
-        return combine(self, handle, done, dtype, crit.reduction, guess, crit)
+        return combine(self, handle, done, dtype, crit.reduction, guess, crit, param_idx)
 
     @_one_call_at_a_time
     def backward_speculated(self, state: CallState, guess: Any, seed: torch.Tensor, crit: Any,
@@ -627,7 +628,6 @@ class Runtime:
         k = state.k
         param_grads = self.reducer.reduce([self._grad_slots[s] for s in range(k)], [r.param_mask for r in replies])
         self._slot_gen += 1
-        self._workers_hold = False
         busy = [r.busy for r in replies]
         self.stats.backward(busy, k * seed.element_size(),
                             sum(end - start for _, start, end, _ in self.layout.param_groups) * k)

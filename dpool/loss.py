@@ -217,11 +217,11 @@ class _LossBox:
     __slots__ = ("runtime", "state", "value", "denom", "indices", "handle", "guess", "crit", "param_idx")
 
     def __init__(self, runtime: "Runtime", handle: ShardedOutput, value: torch.Tensor, denom: float,
-                 indices: list[int], guess: Speculation | None, crit: criterion) -> None:
+                 indices: list[int], guess: Speculation | None, crit: criterion, param_idx: list[int]) -> None:
         self.runtime, self.state, self.value, self.denom, self.indices = runtime, handle._state, value, denom, indices
         self.handle = handle  # the loss's graph keeps the outputs on the workers alive
         self.guess, self.crit = guess, crit
-        self.param_idx = [i for i, p in enumerate(runtime.params) if p.requires_grad]  # LossBridge's inputs
+        self.param_idx = param_idx  # the parameters LossBridge takes as inputs, by index
 
 
 def target_denominator(loss_fn: Any, targets: tuple) -> float | None:
@@ -243,12 +243,13 @@ def target_denominator(loss_fn: Any, targets: tuple) -> float | None:
 
 
 def combine(runtime: "Runtime", handle: ShardedOutput, replies: list, dtype: torch.dtype,
-            reduction: str, guess: Speculation | None, crit: criterion) -> torch.Tensor:
+            reduction: str, guess: Speculation | None, crit: criterion, param_idx: list[int]) -> torch.Tensor:
     """The full-batch loss from the shards' (sum, denominator) replies, differentiable."""
     total = sum(r.value for r in replies)
     denom = sum(r.denom for r in replies) if reduction == "mean" else 1.0
     value = torch.tensor(total / denom if denom else total, dtype=dtype, device=runtime.output_device)
-    box = _LossBox(runtime, handle, value, denom if denom else 1.0, [r.index for r in replies], guess, crit)
+    box = _LossBox(runtime, handle, value, denom if denom else 1.0, [r.index for r in replies], guess, crit,
+                   param_idx)
     grad_inputs = handle._diff_inputs + [runtime.params[i] for i in box.param_idx]
     if torch.is_grad_enabled() and grad_inputs and any(handle._state.differentiable):
         return LossBridge.apply(box, *grad_inputs)
