@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import resource
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
@@ -363,6 +364,28 @@ def test_workers_keep_freed_memory_instead_of_faulting_it_in_every_step(wrap, mo
     else:
         assert env == [user_threshold] * 2
         assert all(g > 19 * 12288 for g in grown), grown  # its 12288 pages fault in again every step
+
+
+@pytest.mark.parametrize("user_policy", [None, "other"])
+def test_workers_run_under_sched_batch_unless_the_user_says_otherwise(wrap, monkeypatch, user_policy):
+    """Every thread of every worker (main, ZeroMQ's, heartbeat, watchdog) is SCHED_BATCH: a woken worker
+    must not preempt the coordinator mid-send. ``DPOOL_WORKER_SCHED=other`` keeps Linux's default."""
+    if user_policy is not None:
+        monkeypatch.setenv("DPOOL_WORKER_SCHED", user_policy)
+    model = wrap(nn.Linear(4, 4))
+    model(torch.randn(8, 4)).sum().backward()  # every thread a step needs has started
+    want = os.SCHED_OTHER if user_policy == "other" else os.SCHED_BATCH
+    for pid in model.pids:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        assert len(tids) >= 4, tids
+        assert {os.sched_getscheduler(t) for t in tids} == {want}, pid
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the user's own process is left alone
+
+
+def test_unknown_worker_sched_policy_is_a_clear_error_before_any_worker_starts(monkeypatch):
+    monkeypatch.setenv("DPOOL_WORKER_SCHED", "fifo")
+    with pytest.raises(dpool.DpoolValueError, match=r"DPOOL_WORKER_SCHED='fifo'.*batch, other"):
+        dpool.wrap(nn.Linear(4, 4), ["cpu", "cpu"])
 
 
 def test_worker_states_reads_replica_attributes(wrap):
