@@ -366,19 +366,27 @@ def test_workers_keep_freed_memory_instead_of_faulting_it_in_every_step(wrap, mo
         assert all(g > 19 * 12288 for g in grown), grown  # its 12288 pages fault in again every step
 
 
-@pytest.mark.parametrize("user_policy", [None, "other"])
-def test_workers_run_under_sched_batch_unless_the_user_says_otherwise(wrap, monkeypatch, user_policy):
-    """Every thread of every worker (main, ZeroMQ's, heartbeat, watchdog) is SCHED_BATCH: a woken worker
-    must not preempt the coordinator mid-send. ``DPOOL_WORKER_SCHED=other`` keeps Linux's default."""
+@pytest.mark.parametrize("user_policy,extra_workers,want", [
+    (None, 0, "batch"), (None, 1, "other"), ("other", 0, "other"), ("batch", 1, "batch")])
+def test_workers_run_under_sched_batch_while_they_have_a_core_each(wrap, monkeypatch, user_policy, extra_workers,
+                                                                   want):
+    """By default every thread of every worker (main, ZeroMQ's, heartbeat, watchdog) is SCHED_BATCH while
+    each worker can have a core (a woken worker must not preempt the coordinator mid-send), and keeps
+    Linux's default policy when the workers outnumber the cores. ``DPOOL_WORKER_SCHED`` overrides."""
+    from dpool.launch import physical_cores
+
     if user_policy is not None:
         monkeypatch.setenv("DPOOL_WORKER_SCHED", user_policy)
-    model = wrap(nn.Linear(4, 4))
+    n = (2 if extra_workers == 0 and physical_cores() >= 2 else physical_cores() + extra_workers)
+    if extra_workers == 0:
+        assert n <= physical_cores()
+    model = wrap(nn.Linear(4, 4), ["cpu"] * n)
     model(torch.randn(8, 4)).sum().backward()  # every thread a step needs has started
-    want = os.SCHED_OTHER if user_policy == "other" else os.SCHED_BATCH
+    policy = {"batch": os.SCHED_BATCH, "other": os.SCHED_OTHER}[want]
     for pid in model.pids:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         assert len(tids) >= 4, tids
-        assert {os.sched_getscheduler(t) for t in tids} == {want}, pid
+        assert {os.sched_getscheduler(t) for t in tids} == {policy}, pid
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the user's own process is left alone
 
 
