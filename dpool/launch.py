@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
 __all__ = ["physical_cores", "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
-           "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES", "Worker", "Launcher", "Spawn", "start_worker", "join_or_kill", "signal_name",
-           "show_output"]
+           "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES", "Worker", "Launcher", "Spawn", "start_worker",
+           "join_or_kill", "signal_name", "show_output"]
 
 _DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -308,8 +308,8 @@ class Spawn(Launcher):
         boot = P.Boot("embedded", pool.key, pool.endpoint, w.index, w.ident, w.device, os.getpid(), pool.threads,
                       pool.config.shm_dir, pool.prefix, pool.control.fd_ref(), None,
                       pool.config.heartbeat_interval_s, pool.config.max_message_bytes)
-        w.proc, w.threads = start_worker(boot, pool.threads, len(pool.workers), pool.inherited_fds, f"dpool worker {w.index}",
-                                         w.stderr_tail)
+        w.proc, w.threads = start_worker(boot, pool.threads, len(pool.workers), pool.inherited_fds,
+                                         f"dpool worker {w.index}", w.stderr_tail)
         w.pid = w.proc.pid
         pool.watch(w)
 

@@ -158,7 +158,8 @@ class Daemon:
         boot = P.Boot("daemon", self.key, self.endpoint, w.index, w.ident, w.device, os.getpid(), self.threads,
                       self.config.shm_dir, "", None, [self.steps_fd, 8 * max(1, len(self.devices))],
                       self.config.heartbeat_interval_s, self.config.max_message_bytes)
-        w.proc, _ = start_worker(boot, self.threads, len(self.devices), [self.steps_fd], f"worker {w.index}", sink=_log_output)
+        w.proc, _ = start_worker(boot, self.threads, len(self.devices), [self.steps_fd], f"worker {w.index}",
+                                 sink=_log_output)
         w.pidfd = os.pidfd_open(w.proc.pid)
         self.poller.register(w.pidfd, 1)
         w.state, w.started = "starting", time.time()

@@ -3,9 +3,10 @@
 Start-up reads a :class:`dpool.protocol.Boot` message from stdin (auth key,
 endpoint, index, device, parent pid, limits), then:
 
-* puts itself under the scheduling policy ``DPOOL_WORKER_SCHED`` names
-  (``SCHED_BATCH`` unless the user chose ``other``), before any thread
-  exists, so every thread it starts inherits it;
+* puts itself under the scheduling policy the coordinator chose in
+  ``DPOOL_WORKER_SCHED`` (``batch`` or ``other``; see ``worker_env`` in
+  :mod:`dpool.launch`), before any thread exists, so every thread it
+  starts inherits it;
 * ignores SIGINT (Ctrl-C belongs to the coordinator) and registers
   faulthandler on SIGUSR1 (the coordinator dumps our stacks before killing a
   hung worker) and on fatal signals;
@@ -43,8 +44,7 @@ def set_scheduling(policy: str) -> None:
 
     ``SCHED_BATCH`` is the normal priority without wake-up preemption: a worker woken by its
     request takes a free core or waits for the next tick instead of preempting the coordinator
-    mid-send, and the coordinator's helper threads and I/O thread are preempted less by it too
-    (measured in ``worker_env`` in :mod:`dpool.launch`).
+    mid-send or another worker mid-compute (why and when: ``worker_env`` in :mod:`dpool.launch`).
     """
     if policy == "batch" and hasattr(os, "SCHED_BATCH"):
         try:
@@ -142,7 +142,7 @@ def main() -> None:
     from dpool import protocol as P  # torch-free
 
     boot = P.Boot.unpack(sys.stdin.buffer.read())
-    set_scheduling(os.environ.get("DPOOL_WORKER_SCHED", "batch"))
+    set_scheduling(os.environ.get("DPOOL_WORKER_SCHED", "other"))  # worker_env always sets it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
