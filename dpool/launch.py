@@ -81,7 +81,7 @@ def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
-def worker_env(threads: int, workers: int = 1) -> dict[str, str]:
+def worker_env(threads: int, workers: int) -> dict[str, str]:
     """The environment of a worker process: this dpool importable, native thread pools sized on purpose,
     the heap kept, the scheduling policy chosen for ``workers`` workers on this machine."""
     env = dict(os.environ)
