@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py                      # every workload, every setup
     python benchmarks/gpu.py --workloads probe --steps 50 --repeats 5
+    python benchmarks/gpu.py --breakdown resnet --setups single,dpool1,dpool   # time per phase
 
 Setups (all on cuda:0, inputs already on the GPU, fp32, SGD with momentum):
   single   the module in this process
@@ -133,6 +134,50 @@ class Runner:
             self.model.close()
 
 
+def breakdown(r: Runner, steps: int, warmup: int) -> None:
+    """Print the median time of each phase of a step, each phase ended by a device sync.
+
+    The syncs stop the host from running ahead of the GPU, so the phases add up to more than a
+    plain step; what they show is which phase a setup pays more in. For dpool, ``workers`` is the
+    slower worker's busy time in forward and in backward (synced in the worker).
+    """
+    phases: dict[str, list[float]] = {p: [] for p in ("forward", "loss", "backward", "optimizer", "step")}
+    busy: dict[str, list[float]] = {"forward": [], "backward": []}
+    for i in range(warmup + steps):
+        x, y = r.data[i % len(r.data)]
+        r.opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t = [time.perf_counter()]
+        out = r.model(x)
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        loss = F.cross_entropy(out, y)
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        loss.backward()
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        r.opt.step()
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        if i < warmup:
+            continue
+        for k, name in enumerate(("forward", "loss", "backward", "optimizer")):
+            phases[name].append((t[k + 1] - t[k]) * 1e3)
+        phases["step"].append((t[-1] - t[0]) * 1e3)
+        if r.setup.startswith("dpool"):
+            st = r.model.stats()["workers"]
+            busy["forward"].append(max(w["forward_ms"] for w in st))
+            busy["backward"].append(max(w["backward_ms"] for w in st))
+    med = {k: statistics.median(v) for k, v in phases.items()}
+    line = " | ".join(f"{k} {v:.2f}" for k, v in med.items())
+    if busy["forward"]:
+        line += (f" | workers: forward {statistics.median(busy['forward']):.2f}, "
+                 f"backward {statistics.median(busy['backward']):.2f}")
+    print(f"{r.setup:7s} ms (median, synced phases): {line}", flush=True)
+    r.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--workloads", default="resnet,encoder,probe")
@@ -143,7 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--profile", default=None, metavar="WORKLOAD",
                     help="instead: cProfile the coordinator of dpool on WORKLOAD for --steps steps")
+    ap.add_argument("--breakdown", default=None, metavar="WORKLOAD",
+                    help="instead: where a step's time goes on WORKLOAD, phase by phase, for each of --setups")
     args = ap.parse_args(argv)
+    if args.breakdown:
+        torch.set_num_threads(1)
+        for s in args.setups.split(","):
+            breakdown(Runner(s, args.breakdown), args.steps, args.warmup)
+        return 0
     if args.profile:
         import cProfile
         import pstats

@@ -2,10 +2,20 @@
 # Run dpool's tests on a GPU machine that already has a CUDA torch and may have no package index.
 #   bash scripts/gpu-test.sh                      # the CUDA tests (tests/test_cuda.py)
 #   bash scripts/gpu-test.sh tests                # the whole suite
+#   bash scripts/gpu-test.sh --groups "tests/test_cuda.py tests/test_examples_bench.py" "tests/test_faults.py" ...
+#                                                 # each group in its own pytest process, all at once
 #   DPOOL_WHEELS=/path/to/wheels bash scripts/gpu-test.sh
 # It keeps the installed torch (never reinstalls it) and installs only what is missing (pyzmq,
-# msgpack, psutil, cloudpickle, pytest, pytest-timeout), offline from $DPOOL_WHEELS (default: .whl/)
-# when that folder exists, else from the configured index.
+# msgpack, psutil, cloudpickle, pytest, pytest-timeout, hypothesis, transformers, and nbclient with
+# ipykernel for the notebook test). Offline, $DPOOL_WHEELS (default: .whl/) must hold every missing
+# package and each of their own missing dependencies: its wheels are installed as they are, without
+# resolving. Without that folder, pip uses the configured index.
+#
+# --groups is for machines with many cores: the suite's leak checks look at this process's children,
+# fds and socket files, and at every dpool segment of the shared-memory directory, so each group
+# gets its own DPOOL_SHM_DIR and XDG_RUNTIME_DIR. Keep the GPU tests (tests/test_cuda.py) and the
+# examples (they use the GPU too) in one group: the preflight test takes nearly all of the GPU's
+# memory. Logs go to $DPOOL_TEST_LOGS (default: a new temporary folder), one per group.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,14 +26,16 @@ if [ -d "$site" ]; then export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"; fi
 missing=$("$PY" - <<'PY'
 import importlib.util
 mods = {"zmq": "pyzmq", "msgpack": "msgpack", "psutil": "psutil", "cloudpickle": "cloudpickle",
-        "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
+        "pytest": "pytest", "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis",
+        "transformers": "transformers", "nbclient": "nbclient", "ipykernel": "ipykernel"}
 print(" ".join(pkg for mod, pkg in mods.items() if importlib.util.find_spec(mod) is None))
 PY
 )
 if [ -n "$missing" ]; then
   wheels=${DPOOL_WHEELS:-.whl}
   if [ -d "$wheels" ]; then
-    "$PY" -m pip install -q --no-index --find-links "$wheels" --target "$site" $missing
+    echo "missing: $missing; installing every wheel of $wheels"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl
   else
     "$PY" -m pip install -q --target "$site" $missing
   fi
@@ -35,4 +47,26 @@ links=$site-links
 mkdir -p "$links" && ln -sfn "$PWD/workers" "$links/dpool_workers"
 export PYTHONPATH="$PWD:$links${PYTHONPATH:+:$PYTHONPATH}"
 if [ $# -eq 0 ]; then set -- tests/test_cuda.py; fi
-"$PY" -m pytest -p no:cacheprovider "$@"
+if [ "$1" != "--groups" ]; then
+  exec "$PY" -m pytest -p no:cacheprovider "$@"
+fi
+shift
+logs=${DPOOL_TEST_LOGS:-$(mktemp -d)}
+mkdir -p "$logs"
+pids=()
+for k in $(seq 1 $#); do
+  group=${!k}
+  shm=/dev/shm/dpool-tests-$$-$k run=$(mktemp -d)   # mktemp -d: mode 0700, as dpool wants its runtime dir
+  mkdir -p "$shm"
+  # shellcheck disable=SC2086  # a group is a space-separated list of test paths
+  DPOOL_SHM_DIR=$shm XDG_RUNTIME_DIR=$run "$PY" -m pytest -p no:cacheprovider $group >"$logs/group$k.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for k in $(seq 1 $#); do
+  if wait "${pids[$((k - 1))]}"; then rc=0; else rc=$?; status=1; fi
+  echo "group $k (${!k}): exit $rc: $(tail -n 1 "$logs/group$k.log")"
+  rmdir "/dev/shm/dpool-tests-$$-$k" 2>/dev/null || echo "  group $k left files in /dev/shm/dpool-tests-$$-$k"
+done
+echo "logs: $logs"
+exit $status

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 
 import msgpack
 import pytest
@@ -122,14 +123,16 @@ def test_empty_batch_is_a_clear_value_error(identity_pool):
 
 
 def test_shared_memory_too_small_is_reported_before_writing(identity_pool):
-    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    shm = os.environ.get("DPOOL_SHM_DIR", "/dev/shm")
+    free = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize
     huge = torch.zeros(1, dtype=torch.uint8).expand(free + (1 << 30))  # no real memory behind it
     # (split in two shards, each would fit alone: the check covers the whole call, before any segment)
-    before = set(os.listdir("/dev/shm"))
-    with pytest.raises(dpool.SharedMemoryError, match=r"needs .* MiB of shared memory in /dev/shm, but only .* free"):
+    before = set(os.listdir(shm))
+    with pytest.raises(dpool.SharedMemoryError,
+                       match=rf"needs .* MiB of shared memory in {re.escape(shm)}, but only .* free"):
         with torch.no_grad():
             identity_pool(huge)
-    assert set(os.listdir("/dev/shm")) == before  # nothing partial left
+    assert set(os.listdir(shm)) == before  # nothing partial left
     with torch.no_grad():
         identity_pool(torch.ones(4, 1))
 

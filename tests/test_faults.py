@@ -195,7 +195,7 @@ def test_l3_whole_session_killed_then_next_wrap_sweeps():
             "m(torch.randn(4, 2)).sum().backward()\n"
             "open(os.environ['STALE'], 'wb').write(b'x' * 4096)  # a leftover from the creation window\n"
             "os.killpg(0, signal.SIGKILL)\n")
-    stale = f"/dev/shm/dpool-{os.getuid()}-999999-deadbeef-1"
+    stale = os.path.join(os.environ.get("DPOOL_SHM_DIR", "/dev/shm"), f"dpool-{os.getuid()}-999999-deadbeef-1")
     env = dict(os.environ, PYTHONPATH=PYPATH, STALE=stale)
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
     assert proc.wait(timeout=60) == -signal.SIGKILL
