@@ -31,7 +31,8 @@ class Config:
     Args:
         heartbeat_interval_s: how often a worker's heartbeat thread beats.
         heartbeat_timeout_s: silence after which a worker is declared hung
-            (``DPOOL_HEARTBEAT_TIMEOUT``).
+            (``DPOOL_HEARTBEAT_TIMEOUT``). Not applied while a worker loads the model, which
+            may hold its GIL for long: ``startup_timeout_s`` bounds that.
         step_timeout_s: deadline for one forward or backward round
             (``DPOOL_STEP_TIMEOUT``; default 600 s, as NCCL's).
         startup_timeout_s: deadline for spawning the workers and loading the model

@@ -264,7 +264,11 @@ class Runtime:
             for i in indices
         }
         try:
-            replies = pool.request(msgs, "loading the model", timeout=self.config.startup_timeout_s)
+            # Unpickling the model, its imports and CUDA IPC opens may hold the worker's GIL, which
+            # silences its heartbeat (seen: 3 s in cudaIpcOpenEventHandle on a loaded H100 machine):
+            # startup_timeout_s alone bounds this round.
+            replies = pool.request(msgs, "loading the model", timeout=self.config.startup_timeout_s,
+                                   heartbeats=False)
         except (WorkerDiedError, WorkerTimeoutError) as exc:
             pool.break_pool(str(exc))
             raise WorkerStartError(f"{exc}\nThe worker crashed while unpickling the model; no pool was started.") from None

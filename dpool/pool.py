@@ -35,7 +35,8 @@ and only touches the socket when no round is running.
 1. a worker that exits (killed, segfault, ``os._exit``) makes its pidfd
    readable: ``WorkerDiedError`` at once (process-exit sentinel);
 2. a worker whose heartbeat thread has not written its slot in the control
-   segment for ``heartbeat_timeout_s`` is hung while holding the GIL or
+   segment for ``heartbeat_timeout_s`` (outside the round that loads the
+   model, which may legitimately hold the GIL for long) is hung while holding the GIL or
    frozen: its stacks are dumped (SIGUSR1 → faulthandler), it is killed,
    ``WorkerTimeoutError`` (a ZeroMQ heartbeat would not see this, since
    libzmq's I/O thread keeps answering);
@@ -329,8 +330,12 @@ class Pool:
                 "for a new pool."
             )
 
-    def request(self, msgs: Mapping[int, P.Message], stage: str, timeout: float | None = None) -> dict[int, Any]:
+    def request(self, msgs: Mapping[int, P.Message], stage: str, timeout: float | None = None,
+                heartbeats: bool = True) -> dict[int, Any]:
         """Send one message to each chosen worker and wait for all replies.
+
+        ``heartbeats=False`` judges the round by ``timeout`` and process exits alone: loading the
+        model may hold a worker's GIL for seconds (unpickling, imports, opening CUDA IPC handles).
 
         Returns:
             worker index → reply (``Failed`` replies included; the caller raises).
@@ -349,7 +354,8 @@ class Pool:
                     event.record(torch.cuda.current_stream(d))
                 for idx, msg in msgs.items():
                     self._send(idx, msg)
-                return self._wait(set(msgs), stage, timeout if timeout is not None else self.config.step_timeout_s)
+                return self._wait(set(msgs), stage, timeout if timeout is not None else self.config.step_timeout_s,
+                                  heartbeats)
             # On WorkerDiedError / WorkerTimeoutError the caller either respawns the worker
             # (max_restarts) or calls break_pool(). KeyboardInterrupt and friends leave the pool
             # usable: replies still owed are discarded later (see _pending).
@@ -419,7 +425,7 @@ class Pool:
                 return w.index
         return -1
 
-    def _wait(self, need: set[int], stage: str, timeout: float) -> dict[int, Any]:
+    def _wait(self, need: set[int], stage: str, timeout: float, heartbeats: bool = True) -> dict[int, Any]:
         replies: dict[int, Any] = {}
         start = time.monotonic()
         deadline = start + timeout
@@ -465,7 +471,7 @@ class Pool:
                             if msg.stage.endswith(P.CONTEXT_LOST):
                                 self.exiting.add(idx)  # its exit is announced: not a death to report
             self._check_exits(events, stage=stage)
-            if need:
+            if need and heartbeats:
                 now_ns = time.monotonic_ns()
                 for idx in need:
                     silent = now_ns - self._beats[idx]

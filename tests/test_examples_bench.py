@@ -91,7 +91,7 @@ def test_smoke_results_are_not_tracked_and_negative_framework_cost_is_not_printe
 
 def test_train_cnn_baseline_gets_the_same_allocator_setting():
     res = _run(["examples/train_cnn.py", "--mode", "single", "--epochs", "1", "--train-size", "128",
-                "--batch-size", "64"])
+                "--batch-size", "64", "--device", "cpu"])  # a CPU allocator setting: CPU also on a GPU machine
     assert res.returncode == 0, res.stderr
     assert "memory allocator: dpool's worker heap setting" in res.stdout
 

@@ -164,6 +164,31 @@ def test_p5_crash_while_unpickling_the_model():
     assert "exited with code 3 while loading the model" in line and "no pool was started" in line
 
 
+def test_p6_model_that_holds_the_gil_while_unpickling_still_starts():
+    """Loading the model may hold a worker's GIL for longer than heartbeat_timeout_s (a big model's
+    unpickling, imports, CUDA IPC opens): only startup_timeout_s bounds that round."""
+    code = """
+    import time, torch, dpool
+    t = time.perf_counter(); sum(range(10**7)); per = time.perf_counter() - t
+    class HoldsTheGil(torch.nn.Linear):
+        def __setstate__(self, state):
+            sum(range(state.pop("gil_n", 0)))  # one C call: the worker's heartbeat thread cannot beat
+            super().__setstate__(state)
+    net = HoldsTheGil(2, 2)
+    net.gil_n = int(3.0 / per * 10**7)  # about 3 s, three heartbeat timeouts
+    t = time.perf_counter()
+    m = dpool.wrap(net, ["cpu", "cpu"], heartbeat_timeout_s=1.0, startup_timeout_s=60)
+    print("STARTED", time.perf_counter() - t)
+    m(torch.randn(4, 2)).sum().backward()
+    m.close()
+    print("OK", net.weight.grad.shape)
+    """
+    res = run_script(code)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+    started = float(res.stdout.split("STARTED", 1)[1].split()[0])
+    assert started > 1.0, f"the model did not hold the GIL past the heartbeat timeout ({started:.2f} s)"
+
+
 def test_l7_module_missing_in_worker():
     code = """
     import sys, types, torch, dpool

@@ -249,8 +249,9 @@ def test_script_beside_its_own_workers_module(tmp_path):
         "with dpool.wrap(net, ['cpu', 'cpu']) as m:\n"
         "    m(torch.randn(4, 3)).sum().backward()\n"
         "print('OK', net.weight.grad.shape)\n")
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
+    # The script's folder comes first on sys.path, before this checkout (and the offline site of a
+    # GPU machine, scripts/gpu-test.sh), as for a user whose dpool is installed.
+    env = dict(os.environ, PYTHONPATH=PYPATH)
     res = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=90,
                          env=env)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
