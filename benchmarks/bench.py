@@ -79,8 +79,10 @@ class Local:
         self.loss: Any = w.loss
         if setup == "dp":
             net = torch.nn.DataParallel(net)
-            # This benchmark is about CPUs. Where torch sees a GPU, DataParallel would move the
-            # batch to cuda:0; run it as on a CPU-only machine (its own path without device_ids).
+            # This benchmark is about CPUs. Where torch sees a GPU, DataParallel has moved the
+            # module to cuda:0 and would move each batch there; run it as on a CPU-only machine
+            # (its own path without device_ids).
+            net.module.to("cpu")
             net.device_ids = []
         if setup in ("dpool", "dpool-loss"):
             import dpool
