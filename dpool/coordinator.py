@@ -267,11 +267,10 @@ class Runtime:
             # Unpickling the model, its imports and CUDA IPC opens may hold the worker's GIL, which
             # silences its heartbeat (seen: 3 s in cudaIpcOpenEventHandle on a loaded H100 machine):
             # startup_timeout_s alone bounds this round.
-            replies = pool.request(msgs, "loading the model", timeout=self.config.startup_timeout_s,
-                                   heartbeats=False)
+            replies = pool.request(msgs, "loading the model", loading=True)
         except (WorkerDiedError, WorkerTimeoutError) as exc:
             pool.break_pool(str(exc))
-            raise WorkerStartError(f"{exc}\nThe worker crashed while unpickling the model; no pool was started.") from None
+            raise WorkerStartError(f"{exc}\nThe worker failed while unpickling the model; no pool was started.") from None
         for i, r in sorted(replies.items()):
             if isinstance(r, P.Failed):
                 w = pool.workers[i]

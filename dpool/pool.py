@@ -40,7 +40,8 @@ and only touches the socket when no round is running.
    frozen: its stacks are dumped (SIGUSR1 → faulthandler), it is killed,
    ``WorkerTimeoutError`` (a ZeroMQ heartbeat would not see this, since
    libzmq's I/O thread keeps answering);
-3. a round that outlives ``step_timeout_s``: ``WorkerTimeoutError``.
+3. a round that outlives ``step_timeout_s`` (the round that loads the model:
+   ``startup_timeout_s``): ``WorkerTimeoutError``.
 
 Any of these *breaks* the pool: the other workers are killed, and every later
 call raises :class:`~dpool.errors.PoolBrokenError` at once. An exception
@@ -330,12 +331,12 @@ class Pool:
                 "for a new pool."
             )
 
-    def request(self, msgs: Mapping[int, P.Message], stage: str, timeout: float | None = None,
-                heartbeats: bool = True) -> dict[int, Any]:
+    def request(self, msgs: Mapping[int, P.Message], stage: str, loading: bool = False) -> dict[int, Any]:
         """Send one message to each chosen worker and wait for all replies.
 
-        ``heartbeats=False`` judges the round by ``timeout`` and process exits alone: loading the
-        model may hold a worker's GIL for seconds (unpickling, imports, opening CUDA IPC handles).
+        ``loading=True`` is the round that loads the model: ``startup_timeout_s`` bounds it, and
+        heartbeats are not judged, since unpickling, imports and opening CUDA IPC handles may hold
+        a worker's GIL for seconds. Other rounds: ``step_timeout_s`` and heartbeats.
 
         Returns:
             worker index → reply (``Failed`` replies included; the caller raises).
@@ -354,8 +355,7 @@ class Pool:
                     event.record(torch.cuda.current_stream(d))
                 for idx, msg in msgs.items():
                     self._send(idx, msg)
-                return self._wait(set(msgs), stage, timeout if timeout is not None else self.config.step_timeout_s,
-                                  heartbeats)
+                return self._wait(set(msgs), stage, loading)
             # On WorkerDiedError / WorkerTimeoutError the caller either respawns the worker
             # (max_restarts) or calls break_pool(). KeyboardInterrupt and friends leave the pool
             # usable: replies still owed are discarded later (see _pending).
@@ -425,8 +425,10 @@ class Pool:
                 return w.index
         return -1
 
-    def _wait(self, need: set[int], stage: str, timeout: float, heartbeats: bool = True) -> dict[int, Any]:
+    def _wait(self, need: set[int], stage: str, loading: bool = False) -> dict[int, Any]:
         replies: dict[int, Any] = {}
+        timeout = self.config.startup_timeout_s if loading else self.config.step_timeout_s
+        heartbeats = not loading
         start = time.monotonic()
         deadline = start + timeout
         hb_timeout_ns = int(self.config.heartbeat_timeout_s * 1e9)
@@ -439,12 +441,15 @@ class Pool:
                 idx = min(need)
                 w = self.workers[idx]
                 self._dump_and_kill(w)
-                raise WorkerTimeoutError(
-                    f"step {self.step} exceeded step_timeout={timeout:g}s on {w.where()} while {stage}; "
-                    "the worker's stacks were dumped to stderr above and it was killed. "
-                    "Raise DPOOL_STEP_TIMEOUT if steps are legitimately this slow.",
-                    worker=idx, device=w.device, pid=w.pid, step=self.step,
-                )
+                if loading:
+                    what = (f"{w.where()} did not finish {stage} within startup_timeout={timeout:g}s; the worker's "
+                            "stacks were dumped to stderr above and it was killed. Raise DPOOL_STARTUP_TIMEOUT "
+                            "(or startup_timeout_s) if loading this model legitimately takes longer.")
+                else:
+                    what = (f"step {self.step} exceeded step_timeout={timeout:g}s on {w.where()} while {stage}; "
+                            "the worker's stacks were dumped to stderr above and it was killed. "
+                            "Raise DPOOL_STEP_TIMEOUT if steps are legitimately this slow.")
+                raise WorkerTimeoutError(what, worker=idx, device=w.device, pid=w.pid, step=self.step)
             events = dict(self._poller.poll(int(min(deadline - now, tick) * 1000) + 1))
             if self.chan.sock in events:
                 # Read until every reply is in, not until the queue is empty: that last, failed

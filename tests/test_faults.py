@@ -189,6 +189,26 @@ def test_p6_model_that_holds_the_gil_while_unpickling_still_starts():
     assert started > 1.0, f"the model did not hold the GIL past the heartbeat timeout ({started:.2f} s)"
 
 
+def test_p7_model_that_hangs_while_unpickling_is_bounded_by_the_startup_timeout():
+    """A hang holding the GIL while loading the model: heartbeats are not judged then, so the
+    startup timeout ends it, and the error names that setting."""
+    code = """
+    import torch, dpool
+    class Hangs(torch.nn.Linear):
+        def __setstate__(self, state):
+            sum(range(10**12))  # holds the GIL for hours
+    try:
+        dpool.wrap(Hangs(2, 2), ["cpu", "cpu"], heartbeat_timeout_s=1.0, startup_timeout_s=8)
+    except dpool.WorkerStartError as e:
+        print("ERR", str(e).replace("\\n", " "))
+    """
+    res = run_script(code)
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = [l for l in res.stdout.splitlines() if l.startswith("ERR")][0]
+    assert "did not finish loading the model within startup_timeout=8s" in line, line
+    assert "DPOOL_STARTUP_TIMEOUT" in line and "no pool was started" in line and "pid" in line, line
+
+
 def test_l7_module_missing_in_worker():
     code = """
     import sys, types, torch, dpool
