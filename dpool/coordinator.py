@@ -264,9 +264,7 @@ class Runtime:
             for i in indices
         }
         try:
-            # Unpickling the model, its imports and CUDA IPC opens may hold the worker's GIL, which
-            # silences its heartbeat (seen: 3 s in cudaIpcOpenEventHandle on a loaded H100 machine):
-            # startup_timeout_s alone bounds this round.
+            # startup_timeout_s bounds this round, not heartbeats (why: Pool.request)
             replies = pool.request(msgs, "loading the model", loading=True)
         except (WorkerDiedError, WorkerTimeoutError) as exc:
             pool.break_pool(str(exc))

@@ -36,8 +36,9 @@ and only touches the socket when no round is running.
    readable: ``WorkerDiedError`` at once (process-exit sentinel);
 2. a worker whose heartbeat thread has not written its slot in the control
    segment for ``heartbeat_timeout_s`` (outside the round that loads the
-   model, which may legitimately hold the GIL for long) is hung while holding the GIL or
-   frozen: its stacks are dumped (SIGUSR1 → faulthandler), it is killed,
+   model, which may legitimately hold the GIL for long) is hung while
+   holding the GIL or frozen: its stacks are dumped (SIGUSR1 →
+   faulthandler), it is killed,
    ``WorkerTimeoutError`` (a ZeroMQ heartbeat would not see this, since
    libzmq's I/O thread keeps answering);
 3. a round that outlives ``step_timeout_s`` (the round that loads the model:
@@ -336,7 +337,8 @@ class Pool:
 
         ``loading=True`` is the round that loads the model: ``startup_timeout_s`` bounds it, and
         heartbeats are not judged, since unpickling, imports and opening CUDA IPC handles may hold
-        a worker's GIL for seconds. Other rounds: ``step_timeout_s`` and heartbeats.
+        a worker's GIL for seconds (seen: 3 s in ``cudaIpcOpenEventHandle`` on a loaded H100
+        machine). Other rounds: ``step_timeout_s`` and heartbeats.
 
         Returns:
             worker index → reply (``Failed`` replies included; the caller raises).
@@ -428,7 +430,6 @@ class Pool:
     def _wait(self, need: set[int], stage: str, loading: bool = False) -> dict[int, Any]:
         replies: dict[int, Any] = {}
         timeout = self.config.startup_timeout_s if loading else self.config.step_timeout_s
-        heartbeats = not loading
         start = time.monotonic()
         deadline = start + timeout
         hb_timeout_ns = int(self.config.heartbeat_timeout_s * 1e9)
@@ -476,7 +477,7 @@ class Pool:
                             if msg.stage.endswith(P.CONTEXT_LOST):
                                 self.exiting.add(idx)  # its exit is announced: not a death to report
             self._check_exits(events, stage=stage)
-            if need and heartbeats:
+            if need and not loading:  # see request(): no heartbeats while the model loads
                 now_ns = time.monotonic_ns()
                 for idx in need:
                     silent = now_ns - self._beats[idx]

@@ -65,9 +65,11 @@ fi
 logs=${DPOOL_TEST_LOGS:-$(mktemp -d)}
 mkdir -p "$logs"
 pids=()
+runs=()
 for k in $(seq 1 $#); do
   group=${!k}
   shm=/dev/shm/dpool-tests-$$-$k run=$(mktemp -d)   # mktemp -d: mode 0700, as dpool wants its runtime dir
+  runs+=("$run")
   mkdir -p "$shm"
   # shellcheck disable=SC2086  # a group is a space-separated list of test paths
   DPOOL_SHM_DIR=$shm XDG_RUNTIME_DIR=$run "$PY" -m pytest -p no:cacheprovider $group >"$logs/group$k.log" 2>&1 &
@@ -79,5 +81,6 @@ for k in $(seq 1 $#); do
   echo "group $k (${!k}): exit $rc: $(tail -n 1 "$logs/group$k.log")"
   rmdir "/dev/shm/dpool-tests-$$-$k" 2>/dev/null || echo "  group $k left files in /dev/shm/dpool-tests-$$-$k"
 done
+rm -rf "${runs[@]}"
 echo "logs: $logs"
 exit $status
