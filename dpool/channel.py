@@ -124,6 +124,8 @@ class Channel:
         """One whole message's frames (``recv_multipart`` without its per-call enum arithmetic)."""
         sock = self.sock
         frames = [_recv(sock, flags)]
+        if self.router:  # a ROUTER's first frame is the peer's id, always followed by the peer's own frames
+            frames.append(_recv(sock, flags))  # (a message arrives whole, so this never waits)
         while sock.get(_RCVMORE):
             frames.append(_recv(sock, flags))
         return frames

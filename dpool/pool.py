@@ -494,6 +494,8 @@ class Pool:
         return replies
 
     def _check_exits(self, events: dict, stage: str) -> None:
+        if len(events) == (self.chan.sock in events):  # no pidfd fired (the common case: only replies)
+            return
         for idx in self.exiting:  # announced exits (CONTEXT_LOST): reaped here, not reported
             w = self.workers[idx]
             if w.alive and events.get(w.pidfd):

@@ -132,8 +132,8 @@ class Message:
     _types: ClassVar[dict[str, tuple[type, ...]]]
 
     _names: ClassVar[tuple[str, ...]]
-    # (index, name, allowed types, bool allowed) of each field Codec checks; metas fields have _METAS
-    _checks: ClassVar[tuple[tuple[int, str, Any, bool], ...]]
+    # (index, name, the exact types allowed) of each field Codec checks; ``None`` for a metas field
+    _checks: ClassVar[tuple[tuple[int, str, frozenset[type] | None], ...]]
     _values: ClassVar[Callable[[Any], tuple]]  # a staticmethod: _field_getter(_names)
 
     def body(self) -> list[Any]:
@@ -171,8 +171,10 @@ def _message(op: str, **types: Any) -> Callable[[type[_M]], type[_M]]:
         cls.op = op
         cls._types = types
         cls._names = names = tuple(types)
-        cls._checks = tuple((i, name, allowed, bool in allowed) for i, (name, allowed) in enumerate(types.items())
-                            if allowed != (object,))
+        # msgpack decodes to exact built-in types (never a subclass), so one set lookup per field checks
+        # it; bool is its own type, so a bool is refused where only int is allowed
+        cls._checks = tuple((i, name, None if allowed is _METAS else frozenset(allowed))
+                            for i, (name, allowed) in enumerate(types.items()) if allowed != (object,))
         # the field values in order, as a tuple (attrgetter runs in C)
         cls._values = staticmethod(_field_getter(names))  # type: ignore[assignment]
         assert [f.name for f in fields(cls)] == list(types), cls  # type: ignore[arg-type]
@@ -733,11 +735,11 @@ class Codec:
             raise ProtocolError(f"bad sequence number {seq!r}")
         if not isinstance(body, list) or len(body) != len(cls._names):
             raise ProtocolError(f"{op}: expected {len(cls._names)} fields")
-        for i, name, allowed, bool_ok in cls._checks:
+        for i, name, exact in cls._checks:
             value = body[i]
-            if allowed is _METAS:
+            if exact is None:
                 body[i] = _metas(op, name, value)
-            elif not isinstance(value, allowed) or (not bool_ok and isinstance(value, bool)):
+            elif type(value) not in exact:
                 raise ProtocolError(f"{op}.{name}: unexpected {type(value).__name__}")
         return seq, cls(*body)
 

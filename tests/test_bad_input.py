@@ -157,6 +157,9 @@ HOSTILE = [
     msgpack.packb(msgpack.ExtType(42, b"x")),  # unknown ExtType
     msgpack.packb([V, "hello", 1, ["zero", 1, 1, "t", "p"]]),  # wrong field type
     msgpack.packb([V, "hello", 1, [0, 1]]),  # missing fields
+    msgpack.packb([V, "fetch", 1, [True, ["seg", 64]]]),  # a bool where an int is expected
+    msgpack.packb([V, "backward_done", 1, [1, b"\x01", [], 1, [], 0, False]]),  # an int where a float is expected
+    msgpack.packb([V, "fetch", 1, [3, b"seg"]]),  # bytes where a list is expected
     msgpack.packb([V, "nope", 1, []]),  # unknown op
     msgpack.packb([V + 1, "hello", 1, [0, 1, 2, "t", "p"]]),  # other protocol version
     msgpack.packb([V, "hello", -5, [0, 1, 1, "t", "p"]]),  # bad sequence number
