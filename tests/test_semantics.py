@@ -394,6 +394,38 @@ def test_unknown_worker_sched_policy_is_a_clear_error_before_any_worker_starts(m
         dpool.wrap(nn.Linear(4, 4), ["cpu", "cpu"])
 
 
+@pytest.mark.parametrize("user_policy,fill,bound", [
+    (None, True, True), (None, False, False), ("none", True, False), ("cores", False, True)])
+def test_cpu_workers_are_bound_to_cores_of_their_own_when_their_threads_fill_the_cores(wrap, monkeypatch, user_policy,
+                                                                                       fill, bound):
+    """By default each CPU worker, every thread of it, runs on cores of its own when the workers' threads fill
+    exactly the cores the coordinator may use (the default layout); a pool that leaves cores free is not bound
+    (a second job would be put on the same first cores). ``DPOOL_WORKER_AFFINITY`` overrides."""
+    from dpool.launch import allowed_cores
+
+    if user_policy is not None:
+        monkeypatch.setenv("DPOOL_WORKER_AFFINITY", user_policy)
+    cores = allowed_cores()
+    assert len(cores) >= 2, "this test needs two cores"
+    n, threads = (2, len(cores) // 2) if fill else (1, len(cores) - 1)
+    assert (n * threads == len(cores)) == fill
+    mine = os.sched_getaffinity(0)
+    model = wrap(nn.Linear(4, 4), ["cpu"] * n, worker_threads=threads)
+    model(torch.randn(8, 4)).sum().backward()  # every thread a step needs has started
+    for k, pid in enumerate(model.pids):
+        want = {cpu for core in cores[k * threads:(k + 1) * threads] for cpu in core} if bound else mine
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        assert len(tids) >= 4, tids
+        assert all(os.sched_getaffinity(t) == want for t in tids), (k, want)
+    assert os.sched_getaffinity(0) == mine  # the user's own process is left alone
+
+
+def test_unknown_worker_affinity_policy_is_a_clear_error_before_any_worker_starts(monkeypatch):
+    monkeypatch.setenv("DPOOL_WORKER_AFFINITY", "numa")
+    with pytest.raises(dpool.DpoolValueError, match=r"DPOOL_WORKER_AFFINITY='numa'.*auto, cores, none"):
+        dpool.wrap(nn.Linear(4, 4), ["cpu", "cpu"])
+
+
 def test_worker_states_reads_replica_attributes(wrap):
     class Counter(nn.Module):
         def __init__(self):

@@ -5,8 +5,9 @@ endpoint, index, device, parent pid, limits), then:
 
 * puts itself under the scheduling policy the coordinator chose in
   ``DPOOL_WORKER_SCHED`` (``batch`` or ``other``; see ``worker_env`` in
-  :mod:`dpool.launch`), before any thread exists, so every thread it
-  starts inherits it;
+  :mod:`dpool.launch`) and on the CPUs it chose in ``DPOOL_WORKER_CPUS``
+  (see ``worker_cpus`` there), before any thread exists, so every thread it
+  starts inherits both;
 * ignores SIGINT (Ctrl-C belongs to the coordinator) and registers
   faulthandler on SIGUSR1 (the coordinator dumps our stacks before killing a
   hung worker) and on fatal signals;
@@ -52,6 +53,17 @@ def set_scheduling(policy: str) -> None:
         except OSError as exc:  # a sandbox that forbids it: the worker is only less quick to wake
             print(f"dpool worker: SCHED_BATCH not applied ({exc}); running under the default policy",
                   file=sys.stderr)
+
+
+def set_affinity(cpus: str) -> None:
+    """Bind this thread, and every thread it starts from now on, to the logical CPUs ``cpus`` (``"0,1"``;
+    ``""``: leave it where it is). The coordinator chose them (``worker_cpus`` in :mod:`dpool.launch`)."""
+    if not cpus:
+        return
+    try:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    except (OSError, ValueError) as exc:  # a sandbox that forbids it, or CPUs gone: only less quick
+        print(f"dpool worker: not bound to CPUs {cpus} ({exc}); running wherever Linux puts it", file=sys.stderr)
 
 
 def _watchdog(ppid: int, on_death: Any) -> None:
@@ -143,6 +155,7 @@ def main() -> None:
 
     boot = P.Boot.unpack(sys.stdin.buffer.read())
     set_scheduling(os.environ.get("DPOOL_WORKER_SCHED", "other"))  # worker_env always sets it
+    set_affinity(os.environ.get("DPOOL_WORKER_CPUS", ""))  # start_worker always sets it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
