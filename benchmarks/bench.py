@@ -118,6 +118,8 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
     if mode == "nodes":
         import dpool
 
+        # what torchrun --standalone --nproc-per-node=N gives each rank: dpool sizes and binds its workers by them
+        os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)
         model = dpool.wrap(w.make(), ["cpu"], worker_threads=max(1, CORES // world))
     else:
         model = DDP(w.make()) if ddp else w.make()

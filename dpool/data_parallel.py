@@ -16,9 +16,9 @@ from torch import nn
 from .coordinator import Runtime
 from .config import Config
 from .crossnode import CrossNode, resolve_group
-from .devices import DeviceLike, check_devices, local_share, parse_devices, pool_devices
+from .devices import DeviceLike, check_devices, parse_devices, pool_devices
 from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError
-from .launch import physical_cores
+from .launch import local_share, physical_cores
 
 __all__ = ["DataParallel", "wrap", "unwrap", "is_wrapped"]
 

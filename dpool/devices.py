@@ -11,23 +11,13 @@ from typing import Sequence, TypeAlias
 import torch
 
 from . import protocol as P
-from .launch import client_device, physical_cores
+from .launch import client_device, local_share, physical_cores
 from .daemon_client import read_pool, request
 from .errors import DpoolTypeError, DpoolValueError
 
 __all__ = ["DeviceLike", "parse_devices", "check_devices", "pool_devices"]
 
 DeviceLike: TypeAlias = "int | str | torch.device"
-
-
-def local_share() -> tuple[int, int]:
-    """This coordinator's ``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` under torchrun; ``(0, 1)`` otherwise."""
-    try:
-        size = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        rank = min(max(0, int(os.environ.get("LOCAL_RANK", "0"))), size - 1)
-    except ValueError:
-        return 0, 1
-    return rank, size
 
 
 def parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:

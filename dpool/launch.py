@@ -31,7 +31,7 @@ from .errors import DpoolError, DpoolValueError, WorkerDiedError, WorkerStartErr
 if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
-__all__ = ["physical_cores", "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
+__all__ = ["physical_cores", "local_share", "allowed_cores", "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
            "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES", "WORKER_AFFINITY_POLICIES", "worker_cpus", "Worker", "Launcher", "Spawn", "start_worker",
            "join_or_kill", "signal_name", "show_output"]
 
@@ -87,6 +87,16 @@ def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
+def local_share() -> tuple[int, int]:
+    """This coordinator's ``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` under torchrun; ``(0, 1)`` otherwise."""
+    try:
+        size = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        rank = min(max(0, int(os.environ.get("LOCAL_RANK", "0"))), size - 1)
+    except ValueError:
+        return 0, 1
+    return rank, size
+
+
 def allowed_cores() -> list[list[int]]:
     """The physical cores this process may run on (its affinity mask), each as its logical CPUs, in order."""
     cores: dict[tuple[str, str], list[int]] = {}
@@ -105,7 +115,9 @@ def worker_cpus(index: int, threads: int, workers: int, device: str) -> list[int
     """The logical CPUs worker ``index`` of ``workers`` is bound to (``None``: not bound), per ``DPOOL_WORKER_AFFINITY``.
 
     Worker ``k`` gets ``threads`` physical cores of its own, the ``k``-th such run of the cores this
-    process may use (with their hyperthreads), wrapping around when they run out. Its main thread
+    process may use (with their hyperthreads), wrapping around when they run out. Under torchrun with
+    several coordinators per machine whose workers together fill the cores, each coordinator's
+    workers take its ``LOCAL_RANK``'s share of them. Its main thread
     and ZeroMQ I/O thread then hand each message over on one core: on the probe (2 workers, 2 cores)
     a step measured 6-11% faster bound than unbound (README, "Worker scheduling"). ``auto`` binds
     only CPU workers whose threads fill exactly the cores we may use, the default layout, since a
@@ -120,6 +132,9 @@ def worker_cpus(index: int, threads: int, workers: int, device: str) -> list[int
     if policy == "none" or not hasattr(os, "sched_setaffinity"):
         return None
     cores = allowed_cores()
+    rank, size = local_share()
+    if size > 1 and workers * threads * size == len(cores):  # torchrun: this coordinator's share of the cores
+        cores = cores[rank * workers * threads:(rank + 1) * workers * threads]
     if policy == "auto" and (not device.startswith("cpu") or workers * threads != len(cores)):
         return None
     start = index * threads

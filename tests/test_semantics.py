@@ -420,6 +420,23 @@ def test_cpu_workers_are_bound_to_cores_of_their_own_when_their_threads_fill_the
     assert os.sched_getaffinity(0) == mine  # the user's own process is left alone
 
 
+def test_under_torchrun_each_coordinators_workers_are_bound_to_its_local_share_of_the_cores(wrap, monkeypatch):
+    """Two coordinators per machine (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE) whose workers fill the cores
+    between them: local rank 1's worker gets the second half, not the first core rank 0's worker has."""
+    from dpool.launch import allowed_cores
+
+    cores = allowed_cores()
+    assert len(cores) >= 2, "this test needs two cores"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    half = len(cores) // 2
+    model = wrap(nn.Linear(4, 4), ["cpu"], worker_threads=half)
+    model(torch.randn(8, 4)).sum().backward()
+    want = {cpu for core in cores[half:2 * half] for cpu in core}
+    tids = [int(t) for t in os.listdir(f"/proc/{model.pids[0]}/task")]
+    assert all(os.sched_getaffinity(t) == want for t in tids), want
+
+
 def test_unknown_worker_affinity_policy_is_a_clear_error_before_any_worker_starts(monkeypatch):
     monkeypatch.setenv("DPOOL_WORKER_AFFINITY", "numa")
     with pytest.raises(dpool.DpoolValueError, match=r"DPOOL_WORKER_AFFINITY='numa'.*auto, cores, none"):
