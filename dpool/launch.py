@@ -118,8 +118,8 @@ def worker_cpus(index: int, threads: int, workers: int, device: str) -> list[int
     process may use (with their hyperthreads), wrapping around when they run out. Under torchrun with
     several coordinators per machine whose workers together fill the cores, each coordinator's
     workers take its ``LOCAL_RANK``'s share of them. Its main thread
-    and ZeroMQ I/O thread then hand each message over on one core: on the probe (2 workers, 2 cores)
-    a step measured 6-11% faster bound than unbound (README, "Worker scheduling"). ``auto`` binds
+    and ZeroMQ I/O thread then hand each message over on one core: probe and mlp steps measured 4-7%
+    faster bound than unbound (docs/performance.md, "Worker affinity"). ``auto`` binds
     only CPU workers whose threads fill exactly the cores we may use, the default layout, since a
     pool that leaves cores free (``worker_threads`` set lower, or two jobs on one machine) would put
     every job's workers on the same first cores; GPU workers are left alone (where their cores should
