@@ -31,9 +31,10 @@ from .errors import DpoolError, DpoolValueError, WorkerDiedError, WorkerStartErr
 if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
-__all__ = ["physical_cores", "local_share", "allowed_cores", "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
-           "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES", "WORKER_AFFINITY_POLICIES", "worker_cpus", "Worker", "Launcher", "Spawn", "start_worker",
-           "join_or_kill", "signal_name", "show_output"]
+__all__ = ["physical_cores", "local_share", "allowed_cores", "worker_cpus", "worker_command", "worker_env",
+           "worker_package_dir", "visible_device", "client_device", "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES",
+           "WORKER_AFFINITY_POLICIES", "Worker", "Launcher", "Spawn", "start_worker", "join_or_kill", "signal_name",
+           "show_output"]
 
 _DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,15 +116,16 @@ def worker_cpus(index: int, threads: int, workers: int, device: str) -> list[int
     """The logical CPUs worker ``index`` of ``workers`` is bound to (``None``: not bound), per ``DPOOL_WORKER_AFFINITY``.
 
     Worker ``k`` gets ``threads`` physical cores of its own, the ``k``-th such run of the cores this
-    process may use (with their hyperthreads), wrapping around when they run out. Under torchrun with
-    several coordinators per machine whose workers together fill the cores, each coordinator's
-    workers take its ``LOCAL_RANK``'s share of them. Its main thread
-    and ZeroMQ I/O thread then hand each message over on one core: probe and mlp steps measured 4-7%
-    faster bound than unbound (docs/performance.md, "Worker affinity"). ``auto`` binds
-    only CPU workers whose threads fill exactly the cores we may use, the default layout, since a
-    pool that leaves cores free (``worker_threads`` set lower, or two jobs on one machine) would put
-    every job's workers on the same first cores; GPU workers are left alone (where their cores should
-    be depends on the GPU's NUMA node).
+    process may use (with their hyperthreads), wrapping around when they run out. Its main thread and
+    its ZeroMQ I/O thread then hand each message over on one core: probe and mlp steps measured 4-7%
+    faster bound than unbound (docs/performance.md, "Worker affinity"). Under torchrun with several
+    coordinators per machine whose workers together fill the cores, each coordinator's workers take
+    its ``LOCAL_RANK``'s share of them.
+
+    ``auto`` binds only CPU workers whose threads fill exactly the cores we may use (the default
+    layout): a pool that leaves cores free (``worker_threads`` set lower, or two jobs on one machine)
+    would put every job's workers on the same first cores. GPU workers are left alone: where their
+    cores should be depends on the GPU's NUMA node.
     """
     policy = os.environ.get("DPOOL_WORKER_AFFINITY", "") or "auto"
     if policy not in WORKER_AFFINITY_POLICIES:
