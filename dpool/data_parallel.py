@@ -44,15 +44,16 @@ class DataParallel(nn.DataParallel):
         device_ids (list of int, str or torch.device, optional): one worker per
             entry. ``"cpu"`` entries are CPU worker processes; GPU entries are GPU
             worker processes, and may repeat (``[0, 0]``: two workers on GPU 0).
-            Default: every visible GPU, or one CPU worker per physical core when
-            there is none.
+            Default: every visible GPU, or one CPU worker per physical core this
+            process may run on (its affinity mask) when there is none.
         output_device (int, str or torch.device, optional): where outputs are
             gathered: ``device_ids[0]`` by default for GPU workers (``-1`` or
             ``"cpu"``: the CPU); the CPU for CPU workers.
         dim (int): dimension along which inputs are split and outputs
             concatenated. Default: 0.
         worker_threads (int, optional): torch threads per worker. Default:
-            physical cores divided by the number of workers (at least 1).
+            the physical cores this process may run on divided by the number of
+            workers (at least 1).
         max_restarts (int): how many worker deaths or hangs to survive. The
             failed call still raises (and changes nothing); the worker is
             respawned and re-synced from the master, and the next call works.

@@ -23,7 +23,8 @@ DeviceLike: TypeAlias = "int | str | torch.device"
 def parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
     """``device_ids`` as one string per worker: ``"cpu"`` or ``"cuda:i"``.
 
-    ``None`` means every visible GPU, or one CPU worker per physical core when there is none.
+    ``None`` means every visible GPU, or one CPU worker per physical core this process may run on when there
+    is none.
     Under ``torchrun`` with several coordinators per machine (``LOCAL_WORLD_SIZE`` > 1), each
     takes its ``LOCAL_RANK``'s share of the GPUs or cores.
     """

@@ -84,7 +84,14 @@ WORKER_AFFINITY_POLICIES = ("auto", "cores", "none")
 
 
 def physical_cores() -> int:
-    """This machine's physical cores (logical CPUs if psutil cannot tell): what thread counts are sized by."""
+    """The physical cores this process may run on: what worker counts and thread counts are sized by.
+
+    Counted in its affinity mask, as torch's own default thread count is, so a job given some of a
+    machine's CPUs (``taskset``, a Slurm or container cpuset) does not start workers and threads for
+    all of them; psutil's machine-wide count where the mask cannot be read.
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return len(allowed_cores()) or 1
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 

@@ -437,6 +437,27 @@ def test_under_torchrun_each_coordinators_workers_are_bound_to_its_local_share_o
     assert all(os.sched_getaffinity(t) == want for t in tids), want
 
 
+def test_a_job_given_one_core_of_the_machine_starts_one_worker_with_one_thread_on_it():
+    """Under ``taskset`` (or a Slurm or container cpuset) the defaults count the cores the job may use, as
+    torch's own thread count does: not the machine's, which would put every worker and thread on one core."""
+    import subprocess
+    import sys
+
+    cpu = min(os.sched_getaffinity(0))
+    script = (
+        "import os, torch, dpool\n"
+        "m = dpool.wrap(torch.nn.Linear(4, 4))\n"
+        "m(torch.randn(8, 4)).sum().backward()\n"
+        "print(len(m.pids), m.worker_states(lambda r: __import__('torch').get_num_threads()),\n"
+        "      [sorted(os.sched_getaffinity(p)) for p in m.pids])\n"
+        "m.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == f"1 [1] [[{cpu}]]", out.stdout
+
+
 def test_unknown_worker_affinity_policy_is_a_clear_error_before_any_worker_starts(monkeypatch):
     monkeypatch.setenv("DPOOL_WORKER_AFFINITY", "numa")
     with pytest.raises(dpool.DpoolValueError, match=r"DPOOL_WORKER_AFFINITY='numa'.*auto, cores, none"):
