@@ -14,6 +14,7 @@ Torch-free on purpose: the ``dpool-workers`` daemon and CLI use it without payin
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.util
 import os
 import signal
@@ -105,17 +106,23 @@ def local_share() -> tuple[int, int]:
     return rank, size
 
 
+@functools.lru_cache(maxsize=None)
+def _core_of(cpu: int) -> tuple[str, str]:
+    """The physical core logical CPU ``cpu`` belongs to, as (package, core) from sysfs (fixed while we run)."""
+    topo = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+    try:
+        with open(topo + "physical_package_id") as f1, open(topo + "core_id") as f2:
+            return f1.read().strip(), f2.read().strip()
+    except OSError:  # no topology: each logical CPU counts as a core
+        return "", str(cpu)
+
+
 def allowed_cores() -> list[list[int]]:
-    """The physical cores this process may run on (its affinity mask), each as its logical CPUs, in order."""
+    """The physical cores this process may run on (its affinity mask, read anew: it may change), each as its
+    logical CPUs, in order."""
     cores: dict[tuple[str, str], list[int]] = {}
     for cpu in sorted(os.sched_getaffinity(0)):
-        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
-        try:
-            with open(topo + "physical_package_id") as f1, open(topo + "core_id") as f2:
-                key = (f1.read().strip(), f2.read().strip())
-        except OSError:  # no topology: each logical CPU counts as a core
-            key = ("", str(cpu))
-        cores.setdefault(key, []).append(cpu)
+        cores.setdefault(_core_of(cpu), []).append(cpu)
     return sorted(cores.values())
 
 
