@@ -44,15 +44,16 @@ import sys
 import time
 from typing import Any
 
-import psutil
 import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.workloads import WORKLOADS, Workload  # noqa: E402
+from dpool.cpus import physical_cores  # noqa: E402
 
-CORES = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+# the physical cores this run may use (affinity mask, cgroup quota), as dpool sizes its own defaults
+CORES = physical_cores()
 
 
 def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: Any, data: list, steps: int) -> float:

@@ -18,7 +18,7 @@ from .config import Config
 from .crossnode import CrossNode, resolve_group
 from .devices import DeviceLike, check_devices, parse_devices, pool_devices
 from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError
-from .launch import local_share, physical_cores
+from .cpus import local_share, physical_cores
 
 __all__ = ["DataParallel", "wrap", "unwrap", "is_wrapped"]
 

@@ -11,7 +11,8 @@ from typing import Sequence, TypeAlias
 import torch
 
 from . import protocol as P
-from .launch import client_device, local_share, physical_cores
+from .cpus import local_share, physical_cores
+from .launch import client_device
 from .daemon_client import read_pool, request
 from .errors import DpoolTypeError, DpoolValueError
 

@@ -14,7 +14,6 @@ Torch-free on purpose: the ``dpool-workers`` daemon and CLI use it without payin
 from __future__ import annotations
 
 import collections
-import functools
 import importlib.util
 import os
 import signal
@@ -24,18 +23,16 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import psutil
-
 from . import protocol as P
+from .cpus import allowed_cores, local_share, physical_cores
 from .errors import DpoolError, DpoolValueError, WorkerDiedError, WorkerStartError
 
 if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
-__all__ = ["physical_cores", "local_share", "allowed_cores", "worker_cpus", "worker_command", "worker_env",
-           "worker_package_dir", "visible_device", "client_device", "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES",
-           "WORKER_AFFINITY_POLICIES", "Worker", "Launcher", "Spawn", "start_worker", "join_or_kill", "signal_name",
-           "show_output"]
+__all__ = ["worker_cpus", "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
+           "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES", "WORKER_AFFINITY_POLICIES", "Worker", "Launcher", "Spawn",
+           "start_worker", "join_or_kill", "signal_name", "show_output"]
 
 _DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,48 +79,6 @@ WORKER_SCHED_POLICIES = ("auto", "batch", "other")
 # (worker k on cores of its own), ``none`` (wherever Linux puts them), or ``auto`` (the default:
 # ``cores`` for CPU workers whose threads fill exactly the cores this process may use, else ``none``).
 WORKER_AFFINITY_POLICIES = ("auto", "cores", "none")
-
-
-def physical_cores() -> int:
-    """The physical cores this process may run on: what worker counts and thread counts are sized by.
-
-    Counted in its affinity mask, as torch's own default thread count is, so a job given some of a
-    machine's CPUs (``taskset``, a Slurm or container cpuset) does not start workers and threads for
-    all of them; psutil's machine-wide count where the mask cannot be read.
-    """
-    if hasattr(os, "sched_getaffinity"):
-        return len(allowed_cores()) or 1
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-def local_share() -> tuple[int, int]:
-    """This coordinator's ``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` under torchrun; ``(0, 1)`` otherwise."""
-    try:
-        size = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        rank = min(max(0, int(os.environ.get("LOCAL_RANK", "0"))), size - 1)
-    except ValueError:
-        return 0, 1
-    return rank, size
-
-
-@functools.lru_cache(maxsize=None)
-def _core_of(cpu: int) -> tuple[str, str]:
-    """The physical core logical CPU ``cpu`` belongs to, as (package, core) from sysfs (fixed while we run)."""
-    topo = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
-    try:
-        with open(topo + "physical_package_id") as f1, open(topo + "core_id") as f2:
-            return f1.read().strip(), f2.read().strip()
-    except OSError:  # no topology: each logical CPU counts as a core
-        return "", str(cpu)
-
-
-def allowed_cores() -> list[list[int]]:
-    """The physical cores this process may run on (its affinity mask, read anew: it may change), each as its
-    logical CPUs, in order."""
-    cores: dict[tuple[str, str], list[int]] = {}
-    for cpu in sorted(os.sched_getaffinity(0)):
-        cores.setdefault(_core_of(cpu), []).append(cpu)
-    return sorted(cores.values())
 
 
 def worker_cpus(index: int, threads: int, workers: int, device: str) -> list[int] | None:

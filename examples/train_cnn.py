@@ -21,13 +21,13 @@ import os
 import sys
 import time
 
-import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
 import dpool
+from dpool.cpus import physical_cores
 from dpool.launch import WORKER_MALLOC_KEEP
 
 
@@ -79,7 +79,7 @@ def main() -> None:
 
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     if args.workers is None:
-        args.workers = (gpus if gpus > 1 else 2) if gpus else psutil.cpu_count(logical=False) or 2
+        args.workers = (gpus if gpus > 1 else 2) if gpus else physical_cores()
     device_ids: list = (list(range(gpus)) if gpus > 1 and args.workers == gpus else [0] * args.workers) if gpus \
         else ["cpu"] * args.workers
     dev = torch.device("cuda:0" if gpus else "cpu")

@@ -373,7 +373,7 @@ def test_workers_run_under_sched_batch_while_they_have_a_core_each(wrap, monkeyp
     """By default every thread of every worker (main, ZeroMQ's, heartbeat, watchdog) is SCHED_BATCH while
     each worker can have a core (a woken worker must not preempt the coordinator mid-send), and keeps
     Linux's default policy when the workers outnumber the cores. ``DPOOL_WORKER_SCHED`` overrides."""
-    from dpool.launch import physical_cores
+    from dpool.cpus import physical_cores
 
     if user_policy is not None:
         monkeypatch.setenv("DPOOL_WORKER_SCHED", user_policy)
@@ -401,7 +401,7 @@ def test_cpu_workers_are_bound_to_cores_of_their_own_when_their_threads_fill_the
     """By default each CPU worker, every thread of it, runs on cores of its own when the workers' threads fill
     exactly the cores the coordinator may use (the default layout); a pool that leaves cores free is not bound
     (a second job would be put on the same first cores). ``DPOOL_WORKER_AFFINITY`` overrides."""
-    from dpool.launch import allowed_cores
+    from dpool.cpus import allowed_cores
 
     if user_policy is not None:
         monkeypatch.setenv("DPOOL_WORKER_AFFINITY", user_policy)
@@ -423,7 +423,7 @@ def test_cpu_workers_are_bound_to_cores_of_their_own_when_their_threads_fill_the
 def test_under_torchrun_each_coordinators_workers_are_bound_to_its_local_share_of_the_cores(wrap, monkeypatch):
     """Two coordinators per machine (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE) whose workers fill the cores
     between them: local rank 1's worker gets the second half, not the first core rank 0's worker has."""
-    from dpool.launch import allowed_cores
+    from dpool.cpus import allowed_cores
 
     cores = allowed_cores()
     assert len(cores) >= 2, "this test needs two cores"
@@ -456,6 +456,120 @@ def test_a_job_given_one_core_of_the_machine_starts_one_worker_with_one_thread_o
                          preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == f"1 [1] [[{cpu}]]", out.stdout
+
+
+def _fake_cgroups(tmp_path, groups: str, mounts: list[tuple[str, str, str, str]], limits: dict[str, str]) -> str:
+    """A /proc/self of ``groups`` (its cgroup file) and ``mounts`` ((root, mountpoint folder, fstype,
+    superoptions) each), and cgroup files ``limits`` (path under tmp_path → content). Returns the proc folder."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(groups)
+    lines = [f"{30 + i} 23 0:{40 + i} {root} {tmp_path / point} rw,relatime - {fstype} cgroup {opts}"
+             for i, (root, point, fstype, opts) in enumerate(mounts)]
+    (proc / "mountinfo").write_text("\n".join(["22 1 8:1 / / rw - ext4 /dev/root rw", *lines]) + "\n")
+    for path, text in limits.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    return str(proc)
+
+
+V1 = [("/", "cpu", "cgroup", "rw,cpu,cpuacct")]
+V2 = [("/", "unified", "cgroup2", "rw")]
+
+
+@pytest.mark.parametrize("groups,mounts,limits,want", [
+    # cgroup v2: the process's own cgroup, an ancestor's tighter limit, no limit anywhere
+    ("0::/job\n", V2, {"unified/job/cpu.max": "150000 100000\n", "unified/cpu.max": "max 100000\n"}, 1.5),
+    ("0::/a/b\n", V2, {"unified/a/b/cpu.max": "max 100000\n", "unified/a/cpu.max": "50000 100000\n"}, 0.5),
+    ("0::/a\n", V2, {"unified/a/cpu.max": "max 100000\n"}, None),
+    # cgroup v1 (cpu and cpuacct co-mounted), quota -1 meaning none; a hybrid machine: the smaller of both
+    ("4:cpu,cpuacct:/job\n", V1, {"cpu/job/cpu.cfs_quota_us": "400000", "cpu/job/cpu.cfs_period_us": "100000"}, 4.0),
+    ("4:cpu,cpuacct:/job\n", V1, {"cpu/job/cpu.cfs_quota_us": "-1", "cpu/job/cpu.cfs_period_us": "100000"}, None),
+    ("4:cpu,cpuacct:/j\n0::/k\n", V1 + V2, {"cpu/j/cpu.cfs_quota_us": "300000", "cpu/j/cpu.cfs_period_us": "100000",
+                                              "unified/k/cpu.max": "200000 100000"}, 2.0),
+    # a container's view: the mount's root is the container's cgroup, which its own path names
+    ("0::/docker/c1\n", [("/docker/c1", "unified", "cgroup2", "rw")], {"unified/cpu.max": "200000 100000"}, 2.0),
+    # a cgroup namespace: the path is outside the mount's root, so only the mount's root is read
+    ("0::/\n", [("/..", "unified", "cgroup2", "rw")], {"unified/cpu.max": "100000 100000"}, 1.0),
+    # what cannot be parsed is no limit, never an error
+    ("0::/a\n", V2, {"unified/a/cpu.max": "lots\n"}, None),
+    ("garbage\n", V2, {"unified/cpu.max": "100000 100000"}, None),
+    ("0::/a\n", [], {}, None),
+])
+def test_cpu_quota_is_read_from_the_process_cgroup_and_its_ancestors(tmp_path, groups, mounts, limits, want):
+    from dpool.cpus import cpu_quota
+
+    assert cpu_quota(_fake_cgroups(tmp_path, groups, mounts, limits)) == want
+
+
+def test_cpu_quota_of_a_process_without_a_readable_proc_is_none(tmp_path):
+    from dpool.cpus import cpu_quota
+
+    assert cpu_quota(str(tmp_path / "missing")) is None
+
+
+def _cpu_cgroup_mount() -> tuple[str, str] | None:
+    """A writable hierarchy with the cpu controller: (its mount point, "v1" or "v2"), or None."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            fstype, opts = fields[sep + 1], fields[sep + 3].split(",")
+            if fstype == "cgroup" and "cpu" in opts:
+                return fields[4], "v1"
+            if fstype == "cgroup2":
+                try:
+                    with open(os.path.join(fields[4], "cgroup.subtree_control")) as g:
+                        if "cpu" in g.read().split():
+                            return fields[4], "v2"
+                except OSError:
+                    pass
+    return None
+
+
+def test_a_job_under_a_cgroup_cpu_quota_of_one_cpu_starts_one_worker_with_one_thread():
+    """``docker run --cpus=1`` (or a Kubernetes CPU limit) leaves every core in the affinity mask but gives the
+    job one CPU's worth of time: the defaults follow the quota, one worker with one thread, not one per core
+    (each throttled most of every period). A real cgroup with a real CFS quota."""
+    import subprocess
+    import sys
+    import uuid
+
+    from dpool.cpus import allowed_cores
+
+    found = _cpu_cgroup_mount()
+    if found is None or not os.access(found[0], os.W_OK):
+        pytest.skip("needs a writable cgroup hierarchy with the cpu controller (root)")
+    mount, version = found
+    group = os.path.join(mount, f"dpool-test-{uuid.uuid4().hex[:8]}")
+    os.mkdir(group)
+    try:
+        if version == "v1":
+            with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
+                f.write("100000")  # the default period is 100000 us: one CPU
+        else:
+            with open(os.path.join(group, "cpu.max"), "w") as f:
+                f.write("100000 100000")
+        script = (
+            "import torch, dpool\n"
+            "from dpool.cpus import cpu_quota\n"
+            "m = dpool.wrap(torch.nn.Linear(4, 4))\n"
+            "m(torch.randn(8, 4)).sum().backward()\n"
+            "print(cpu_quota(), len(m.pids), m.worker_states(lambda r: __import__('torch').get_num_threads()))\n"
+            "m.close()\n"
+        )
+
+        def enter() -> None:
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90,
+                             preexec_fn=enter)
+        assert out.returncode == 0, out.stderr
+        assert len(allowed_cores()) >= 2, "this test needs two cores in the affinity mask"
+        assert out.stdout.split("\n")[0] == "1.0 1 [1]", out.stdout
+    finally:
+        os.rmdir(group)  # fails (EBUSY) if a process of the job were still in it
 
 
 def test_unknown_worker_affinity_policy_is_a_clear_error_before_any_worker_starts(monkeypatch):

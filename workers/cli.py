@@ -77,9 +77,9 @@ def cmd_start(a: argparse.Namespace) -> int:
         print(f"dpool-workers: a pool named {a.name!r} is already running (pid {pid}); "
               f"stop it with: dpool-workers stop --name {a.name}", file=sys.stderr)
         return EXIT_ALREADY_RUNNING
-    import psutil
+    from dpool.cpus import physical_cores
 
-    threads = a.threads or max(1, (psutil.cpu_count(logical=False) or 1) // len(devices))
+    threads = a.threads or max(1, physical_cores() // len(devices))
     for stale in ("state.json", "daemon.sock", "key"):  # a crashed daemon's leftovers (no daemon holds the lock)
         try:
             os.unlink(os.path.join(path, stale))
