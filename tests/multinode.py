@@ -115,12 +115,15 @@ def state(module: nn.Module) -> dict:
 
 # ---------------------------------------------------------------------------- scenarios
 def vs_ddp(rank: int, world: int, p: dict) -> dict:
-    """K=1 per node against DDP with the same ranks, same data: bitwise; eval and no_grad issue no collectives."""
+    """K=1 per node against DDP with the same ranks, same data: bitwise; eval and no_grad issue no collectives.
+    The first parameter is frozen from the start (fine-tuning): the workers' bucket hooks must take it."""
     steps, B = p.get("steps", 5), 8
     data = batches(steps, B)
     ref = make_net()
+    next(ref.parameters()).requires_grad_(False)
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(ref), find_unused_parameters=True)  # broadcasts rank 0's state, as wrap() does
     net = make_net()
+    next(net.parameters()).requires_grad_(False)
     if rank == 1:  # different parameters at wrap(): wrap() takes rank 0's
         with torch.no_grad():
             for q in net.parameters():

@@ -148,6 +148,32 @@ def test_training_matches_single_process_reference(policy, ids, wrap):
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"], **TOL)
 
 
+def test_a_parameter_frozen_when_the_pool_starts_and_unfrozen_later(wrap):
+    """Fine-tuning with a frozen layer: GPU workers hook every parameter (frozen ones included, which torch
+    refuses unless the flag is on while hooking: the pool once failed to start), and a parameter unfrozen
+    later gets its gradient, as in one process."""
+    torch.manual_seed(0)
+    net = MLP().to(DEV)
+    first = next(net.parameters())
+    first.requires_grad_(False)
+    ref = copy.deepcopy(net)
+    model = wrap(net, IDS)
+    for step in range(2):
+        if step == 1:
+            first.requires_grad_(True)
+            next(ref.parameters()).requires_grad_(True)
+        x = torch.randn(8, 12, device=DEV)
+        model(x).pow(2).mean().backward()
+        per_shard(ref, (x,), {}, 2, 8).pow(2).mean().backward()
+        assert (first.grad is not None) == (step == 1)
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            if q.grad is None:
+                assert p.grad is None, name
+            else:
+                torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"grad of {name}, step {step}")
+            p.grad = q.grad = None
+
+
 def test_copy_path_for_workers_off_the_master_gpu(wrap, monkeypatch):
     """Workers on another GPU get the master's parameters copied before each forward (forced here on one GPU)."""
     monkeypatch.setenv("DPOOL_CUDA_ALIAS", "0")

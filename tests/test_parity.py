@@ -217,3 +217,71 @@ def test_the_same_seed_gives_the_same_dropout_embedded_and_attached(wrap, daemon
         runs.append([model(torch.ones(8, 16)).detach() for _ in range(3)])
         model.close()
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+class _Reuse(torch.nn.Module):
+    """Gradient paths in one model: a layer applied twice (two accumulations into its gradient in one
+    backward), a parameter no forward uses, one that is frozen, and optionally a large one (a big table
+    read through a slice, as an embedding would be) that puts the model over the bulk-copy limit."""
+
+    def __init__(self, big: int = 0) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 8)
+        self.shared = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 3)
+        self.unused = torch.nn.Linear(3, 3)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.big = torch.nn.Parameter(torch.randn(big) * 1e-2) if big else None
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(torch.tanh(self.shared(self.inp(x)))))
+        h = h + self.frozen(h)
+        if self.big is not None:
+            h = h + self.big[:8]
+        return self.out(h)
+
+
+@pytest.mark.parametrize("big", [0, 17_000_000], ids=["bulk-copy", "hooks"])
+def test_both_gradient_paths_of_a_cpu_worker_match_one_process(wrap, big):
+    """A CPU worker copies its gradients to the slot in one pass after the backward, or, for models of over
+    BULK_GRAD_COPY_MAX bytes of parameters, with a hook per parameter as each is accumulated. Either way:
+    a reused layer's two accumulations summed, no gradient for the unused parameter, none for the frozen one
+    until it is unfrozen (frozen when the pool started: the hooks path once failed to start on it), no_sync
+    accumulation, and the parameters after momentum steps equal to one process on the same shards."""
+    from workers.replica import BULK_GRAD_COPY_MAX
+
+    torch.manual_seed(0)
+    net = _Reuse(big)
+    assert (sum(p.numel() * p.element_size() for p in net.parameters()) > BULK_GRAD_COPY_MAX) == bool(big)
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    hooked = model.worker_states(lambda r: sum(bool(p._post_accumulate_grad_hooks) for p in r.parameters()))
+    assert hooked == [len(list(net.parameters())) if big else 0] * 2  # the path this case is about
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        if step == 2:  # frozen at wrap, unfrozen now: its gradient arrives (the hook, when hooked, acts now)
+            net.frozen.requires_grad_(True)
+            ref.frozen.requires_grad_(True)
+        xs = [torch.randn(10, 6, generator=g) for _ in range(2)]
+        with model.no_sync():
+            model(xs[0]).pow(2).mean().backward()
+        model(xs[1]).pow(2).mean().backward()
+        for x in xs:
+            per_shard(ref, (x,), {}, 2, 10).pow(2).mean().backward()
+        for name, p in net.named_parameters():
+            rp = dict(ref.named_parameters())[name]
+            if rp.grad is None:
+                assert p.grad is None, name
+            else:
+                torch.testing.assert_close(p.grad, rp.grad, msg=f"{name} at step {step}")
+        assert (net.frozen.weight.grad is not None) == (step == 2)
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    assert net.unused.weight.grad is None
+    for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp, msg=name)

@@ -245,7 +245,10 @@ class Replica:
         param_bytes = sum(v.numel() * v.element_size() for v in self.param_views)
         if self.on_gpu or buckets or param_bytes > BULK_GRAD_COPY_MAX:
             for i, p in enumerate(self.params):
-                p.register_post_accumulate_grad_hook(self._to_slot_hook(i))
+                frozen = not p.requires_grad  # torch takes a hook only on a tensor that requires grad, and
+                p.requires_grad_(True)        # keeps it while the flag is off: it acts once the parameter
+                p.register_post_accumulate_grad_hook(self._to_slot_hook(i))  # is unfrozen
+                p.requires_grad_(not frozen)
         self._bucket_of = [() for _ in self.params]
         for b, members in enumerate(buckets):
             for i in members:
