@@ -27,6 +27,7 @@ from typing import Any, Callable
 import cloudpickle
 import torch
 from torch.nn.modules import module as _module_hooks
+from torch.nn.utils import parametrize as _parametrize
 
 from .errors import DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError
 from .layout import Layout
@@ -46,6 +47,34 @@ class _Pickler(cloudpickle.Pickler):
         if isinstance(obj, torch.Tensor):
             return self._ids.get(id(obj))
         return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.nn.Module) and _parametrize.is_parametrized(obj) and _CAN_REBUILD:
+            return _reduce_parametrized(obj)
+        return super().reducer_override(obj)
+
+
+# Modules with parametrizations (torch.nn.utils.parametrize: parametrizations.weight_norm, spectral_norm,
+# orthogonal; HF's wav2vec2 uses weight_norm) refuse pickling: torch swaps their class for a generated
+# subclass whose __getstate__ raises, and whose properties compute the parametrized tensors. They travel
+# as their original class, their state (the `parametrizations` ModuleDict holds the original tensors,
+# which go by reference like any parameter), and the names of the parametrized tensors; the worker
+# redoes the class swap with torch's own helpers.
+_CAN_REBUILD = hasattr(_parametrize, "_inject_new_class") and hasattr(_parametrize, "_inject_property")
+
+
+def _reduce_parametrized(module: torch.nn.Module) -> tuple:
+    cls = type(module).__bases__[0]  # the class register_parametrization() replaced
+    return _parametrized, (cls, tuple(module.parametrizations.keys())), dict(module.__dict__)
+
+
+def _parametrized(cls: type, names: tuple[str, ...]) -> torch.nn.Module:
+    """An empty ``cls`` module with parametrized ``names`` (pickle then sets its state)."""
+    module = cls.__new__(cls)
+    _parametrize._inject_new_class(module)
+    for name in names:
+        _parametrize._inject_property(module, name)
+    return module
 
 
 def _unpicklable_attribute(module: torch.nn.Module) -> str | None:

@@ -434,6 +434,83 @@ def test_huggingface_gpt2_with_cache_returns_one_dynamic_cache(wrap):
         torch.testing.assert_close(layer.values, ref_layer.values)
 
 
+class _Parametrized(nn.Module):
+    """torch.nn.utils.parametrize in its common forms: weight norm, spectral norm (its power iteration
+    updates buffers in every training forward) and an orthogonal map; and the older hook-based weight norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        P = nn.utils.parametrizations
+        self.wn = P.weight_norm(nn.Linear(6, 8, dtype=torch.float64))
+        self.sn = P.spectral_norm(nn.Linear(8, 8, dtype=torch.float64))
+        self.orth = P.orthogonal(nn.Linear(8, 8, dtype=torch.float64))
+        with pytest.warns(FutureWarning):
+            self.old = nn.utils.weight_norm(nn.Linear(8, 3, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.old(torch.tanh(self.orth(torch.tanh(self.sn(torch.tanh(self.wn(x)))))))
+
+
+def test_parametrized_modules_train_like_one_process(wrap):
+    """torch refuses to pickle a parametrized module ("only supported through state_dict()"), so wrap() used to
+    fail with UnpicklableModelError; it ships as its original class and the worker parametrizes it again.
+    Outputs, gradients (through the parametrizations to the original tensors), buffers and parameters after
+    momentum steps equal one process on the same shards."""
+    from tests.reference import per_shard
+
+    torch.manual_seed(0)
+    net = _Parametrized()
+    torch.manual_seed(0)
+    ref = _Parametrized()  # built again: the hook-based weight norm refuses deepcopy
+    model = wrap(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(8, 6, dtype=torch.float64)
+        out, rout = model(x), per_shard(ref, (x,), {}, 2, 8)
+        torch.testing.assert_close(out, rout, msg=f"output at step {step}")
+        out.pow(2).mean().backward()
+        rout.pow(2).mean().backward()
+        for (name, p), r in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, msg=f"{name} at step {step}")
+        for (name, b), r in zip(net.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(b, r, msg=f"{name} at step {step}")
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    for (name, p), r in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, msg=name)
+    assert nn.utils.parametrize.is_parametrized(dpool.unwrap(model).wn)  # the master is left as it was
+
+
+def test_huggingface_wav2vec2_with_its_weight_norm_parametrization(wrap):
+    """A real HuggingFace model whose positional convolution is weight-normed through a parametrization
+    (random weights from a config: nothing is downloaded): per-shard losses and gradients as one process."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+    cfg = Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                         conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                         num_conv_pos_embedding_groups=4, num_labels=3, mask_time_prob=0.0, layerdrop=0.0,
+                         hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+                         final_dropout=0.0)
+    torch.manual_seed(0)
+    net = Wav2Vec2ForSequenceClassification(cfg).double()
+    ref = copy.deepcopy(net)
+    assert nn.utils.parametrize.is_parametrized(net.wav2vec2.encoder.pos_conv_embed.conv)
+    model = wrap(net)
+    x, y = torch.randn(4, 800, dtype=torch.float64), torch.tensor([0, 1, 2, 1])
+    out = model(input_values=x, labels=y)
+    refs = [ref(input_values=x[i:i + 2], labels=y[i:i + 2]).loss for i in (0, 2)]
+    torch.testing.assert_close(out.loss, torch.stack(refs))  # one loss per shard, as nn.DataParallel gathers
+    out.loss.mean().backward()
+    torch.stack(refs).mean().backward()
+    for (name, p), r in zip(net.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (r.grad is None), name
+        if r.grad is not None:
+            torch.testing.assert_close(p.grad, r.grad, msg=name)
+
+
 @pytest.mark.parametrize("path", ["gathered", "loss_on_workers"])
 def test_requires_grad_changed_between_forward_and_backward_follows_one_process(wrap, path):
     """One process accumulates into the parameters that require grad when the backward runs. A parameter
