@@ -68,9 +68,9 @@ def _reduce_parametrized(module: torch.nn.Module) -> tuple:
     return _parametrized, (cls, tuple(module.parametrizations.keys())), dict(module.__dict__)
 
 
-def _parametrized(cls: type, names: tuple[str, ...]) -> torch.nn.Module:
+def _parametrized(cls: type[torch.nn.Module], names: tuple[str, ...]) -> torch.nn.Module:
     """An empty ``cls`` module with parametrized ``names`` (pickle then sets its state)."""
-    module = cls.__new__(cls)
+    module = cls.__new__(cls)  # type: ignore[call-overload]  # (as pickle makes any object)
     _parametrize._inject_new_class(module)
     for name in names:
         _parametrize._inject_property(module, name)
