@@ -8,7 +8,9 @@ nn.DataParallel replicates the module on every forward. dpool does it once:
   the optimizer's in-place updates reach every worker with no copy.
 * :meth:`Master.pickle` pickles the module with every parameter and buffer
   replaced by a reference (``persistent_id``): what travels is the module's
-  structure, never tensor data.
+  structure, never tensor data. A parametrized submodule, which torch refuses
+  to pickle, travels as its original class and is parametrized again on the
+  worker (``_Pickler.reducer_override``).
 * Changes after ``wrap()`` are noticed: a replaced tensor (``p.data = t``,
   ``load_state_dict(assign=True)``) is copied back into shared memory before
   the next forward (:meth:`Master.check_bindings`); a new parameter, buffer or
