@@ -434,6 +434,47 @@ def test_huggingface_gpt2_with_cache_returns_one_dynamic_cache(wrap):
         torch.testing.assert_close(layer.values, ref_layer.values)
 
 
+class _Routed(nn.Module):
+    """Rows whose first feature is positive also go through ``extra``: which shards use it depends on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4, dtype=torch.float64)
+        self.extra = nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.body(x)
+        routed = x[:, 0] > 0
+        if routed.any():
+            h = h + torch.zeros_like(h).index_add(0, routed.nonzero()[:, 0], self.extra(h[routed]))
+        return h
+
+
+def test_a_parameter_one_shard_stops_using_gets_no_stale_gradient_from_its_slot(wrap):
+    """Step 1: both shards use ``extra``; step 2: only the first does. The second worker's slot still holds
+    its step-1 gradient for ``extra``; summed in, it would silently add a stale term. It is zeroed instead."""
+    from tests.reference import per_shard
+
+    torch.manual_seed(0)
+    net = _Routed()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for step, first in enumerate((torch.ones(8), torch.tensor([1.0] * 4 + [-1.0] * 4))):  # rows 4-7: shard 2
+        xs = x.clone()
+        xs[:, 0] = first * xs[:, 0].abs()
+        model(xs).pow(2).sum().backward()
+        per_shard(ref, (xs,), {}, 2, 8).pow(2).sum().backward()
+        for (name, p), r in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, msg=f"{name} at step {step}")
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+
+
 class _Parametrized(nn.Module):
     """torch.nn.utils.parametrize in its common forms: weight norm, spectral norm (its power iteration
     updates buffers in every training forward) and an orthogonal map; and the older hook-based weight norm."""
