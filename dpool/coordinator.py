@@ -40,10 +40,10 @@ from . import protocol as P
 from .bridge import Bridge, CallState, DoubleBridge, DoubleState, Graphs
 from .buffers import BufferCommit
 from .config import Config
+from .cpus import physical_cores
 from .crossnode import FORWARD, CrossNode, CrossNodeReducer
 from .errors import DpoolValueError, UnsupportedError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
-from .cpus import physical_cores
 from .layout import Layout
 from .loss import ShardedOutput, build_output, combine, predict_seed
 from .peers import arm_exit_guard

@@ -15,10 +15,10 @@ from torch import nn
 
 from .coordinator import Runtime
 from .config import Config
+from .cpus import local_share, physical_cores
 from .crossnode import CrossNode, resolve_group
 from .devices import DeviceLike, check_devices, parse_devices, pool_devices
 from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError
-from .cpus import local_share, physical_cores
 
 __all__ = ["DataParallel", "wrap", "unwrap", "is_wrapped"]
 
