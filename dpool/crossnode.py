@@ -402,7 +402,7 @@ class CrossNodeReducer(Reducer):
         last = self._totals[-1]
         trailer = last.as_strided((self._pre,), (1,), last.storage_offset() - self._pre)
         used = (trailer > 0).to(torch.uint8)
-        return bytearray(used[1:].numpy().tobytes()), bool(used[0])
+        return bytearray(used[1:].cpu().numpy().tobytes()), bool(used[0])
 
     def combine(self, slots: Sequence[Sequence[torch.Tensor]], mask: bytearray, at: int, late: bool = False
                 ) -> tuple[list[int], list[torch.Tensor], bytearray]:

@@ -287,6 +287,38 @@ def fault(rank: int, world: int, p: dict) -> dict:
         raise  # the script ends with the error: the exit guard must end it promptly, without SIGABRT
 
 
+def cuda_nodes(rank: int, world: int, p: dict) -> dict:
+    """CUDA masters (``p["backend"]``: gloo or nccl), ``p["workers"][rank]`` GPU workers each on GPU 0; the
+    test compares with one process on the union batch. Then no_sync and a step with a head on rank 0 only."""
+    torch.cuda.set_device(0)
+    steps, B = 4, 12
+    net = make_net(bn=False).cuda()
+    # an explicit group: "auto" stays on one node when the world has one rank
+    model = dpool.wrap(net, device_ids=[0] * p["workers"][rank], process_group=dist.group.WORLD)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sl = rows_of(rank, world, B)
+    data = [(x[sl].cuda(), y[sl].cuda()) for x, y in batches(steps, B)]
+    nodes = model._nodes
+    for x, y in data[:2]:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    before = nodes.collectives
+    with model.no_sync():  # two micro-batches accumulate locally, the third backward combines
+        for x, y in data[2:]:
+            F.mse_loss(model(x), y).backward()
+    inside = nodes.collectives - before
+    x, y = data[0]
+    F.mse_loss(model(x, extra=rank == 0), y).backward()
+    opt.step()
+    torch.save({k: [None if t is None else t.cpu() for t in v] for k, v in state(net).items()}, p["file"])
+    out = {"backend": nodes.backend, "comm_device": str(nodes.comm_device), "inside": inside,
+           "early": model._runtime.reducer.early}
+    model.close()
+    return out
+
+
 def _misbehave(kind: str, pids: list[int]) -> None:
     print(f"T0 {time.time()}", flush=True)
     if kind == "sigkill":
@@ -308,14 +340,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-SCENARIOS = {"vs_ddp": vs_ddp, "union": union, "overlap": overlap, "accumulate": accumulate, "fault": fault}
+SCENARIOS = {"vs_ddp": vs_ddp, "union": union, "overlap": overlap, "accumulate": accumulate, "fault": fault,
+             "cuda_nodes": cuda_nodes}
 
 
 def main() -> None:
     name, params = sys.argv[1], json.loads(sys.argv[2])
     torch.set_num_threads(1)  # BLAS results can depend on the thread count: DDP and the workers use one
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(params.get("backend", "gloo"), timeout=datetime.timedelta(seconds=60))
     params["file"] = os.path.join(params["out"], f"rank{rank}.pt")
     result = SCENARIOS[name](rank, world, params)
     print("RESULT " + json.dumps(result), flush=True)

@@ -680,3 +680,52 @@ def test_gpu_faults():
         for line in r.stdout.splitlines():
             if line.startswith("MEM"):
                 assert int(line.split()[1]) == 0, f"{name}: GPU memory not back at baseline ({line})"
+
+
+def _union_reference(world: int, B: int = 12) -> dict:
+    """One process on the union batch for the ``cuda_nodes`` scenario (tests/multinode.py), on the CPU."""
+    from tests.multinode import batches, make_net, rows_of, state
+
+    net = make_net(bn=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    data = batches(4, B)
+    for x, y in data[:2]:
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    for x, y in data[2:]:
+        F.mse_loss(net(x), y).backward()
+    x, y = data[0]
+    rows0 = rows_of(0, world, B)
+    out = net(x)
+    out = torch.cat([out[rows0] + net.extra(x[rows0]), out[rows0.stop:]])  # the head on rank 0's rows only
+    F.mse_loss(out, y).backward()
+    opt.step()
+    return state(net)
+
+
+@pytest.mark.parametrize("backend,workers", [("gloo", [1, 2]), ("nccl", [2])], ids=["gloo-2-nodes", "nccl-1-node"])
+def test_cross_node_mode_with_cuda_masters(backend, workers):
+    """CUDA masters across "nodes" (coordinator processes on loopback), GPU workers on GPU 0: gloo with two
+    nodes of 1 and 2 workers, and NCCL (one GPU cannot hold two NCCL ranks: one node, an explicit group).
+    Parameters and gradients after momentum steps, no_sync and a head used on one node equal one process
+    on the union batch; no_sync issues no collective."""
+    from tests.test_multinode import Run
+
+    run = Run("cuda_nodes", len(workers), backend=backend, workers=workers)
+    try:
+        run.finish(timeout=150)
+        want = _union_reference(len(workers))
+        for r in range(len(workers)):
+            assert run.codes[r] == 0, f"rank {r} exited {run.codes[r]}:\n{run.outs[r]}\n{run.errs[r]}"
+            res = run.result(r)
+            assert res["backend"] == backend and res["inside"] == 0, res
+            got = run.tensors(r)
+            for key in ("params", "grads"):
+                for i, (a, b) in enumerate(zip(got[key], want[key])):
+                    assert (a is None) == (b is None), (key, i)
+                    if a is not None:
+                        torch.testing.assert_close(a, b, msg=f"rank {r}: {key} {i}")
+    finally:
+        run.cleanup()

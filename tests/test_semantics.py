@@ -437,6 +437,10 @@ def test_under_torchrun_each_coordinators_workers_are_bound_to_its_local_share_o
     assert all(os.sched_getaffinity(t) == want for t in tids), want
 
 
+# the default device_ids are every visible GPU where there is one: the CPU defaults are tested without
+_NO_GPU = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+
+
 def test_a_job_given_one_core_of_the_machine_starts_one_worker_with_one_thread_on_it():
     """Under ``taskset`` (or a Slurm or container cpuset) the defaults count the cores the job may use, as
     torch's own thread count does: not the machine's, which would put every worker and thread on one core."""
@@ -453,7 +457,7 @@ def test_a_job_given_one_core_of_the_machine_starts_one_worker_with_one_thread_o
         "m.close()\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90,
-                         preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+                         preexec_fn=lambda: os.sched_setaffinity(0, {cpu}), env=_NO_GPU)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == f"1 [1] [[{cpu}]]", out.stdout
 
@@ -564,7 +568,7 @@ def test_a_job_under_a_cgroup_cpu_quota_of_one_cpu_starts_one_worker_with_one_th
                 f.write(str(os.getpid()))
 
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90,
-                             preexec_fn=enter)
+                             preexec_fn=enter, env=_NO_GPU)
         assert out.returncode == 0, out.stderr
         assert len(allowed_cores()) >= 2, "this test needs two cores in the affinity mask"
         assert out.stdout.split("\n")[0] == "1.0 1 [1]", out.stdout
