@@ -52,6 +52,15 @@ from dpool.sync_batchnorm import _set_collective
 BULK_GRAD_COPY_MAX = 64 << 20
 
 
+def cuda_stream() -> torch.cuda.Stream:
+    """This GPU worker's current stream: the one GPU it sees is device 0 (``CUDA_VISIBLE_DEVICES``).
+
+    ``torch.cuda.current_stream()`` without a device looks the current device up first, through
+    NVML's device count: about 10 us a call, three calls a request (measured on an H100 machine).
+    """
+    return torch.cuda.current_stream(0)
+
+
 def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """``torch.autograd.backward(roots, grads, retain_graph=True)`` without its argument checks.
 
@@ -180,7 +189,7 @@ class Replica:
         if msg.op != "init" and self.model is None:
             raise P.ProtocolError(f"worker {self.index} got {msg.op!r} before init")
         if self.event is not None:
-            self.event.wait()  # on our stream: no host wait, and never the other way round
+            self.event.wait(cuda_stream())  # on our stream: no host wait, and never the other way round
         return handler(msg)
 
     # ---------------------------------------------------------------- init
@@ -200,7 +209,7 @@ class Replica:
         if self.on_gpu and handle is not None and handle != self._event_handle:  # opened once per coordinator
             self.event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), handle)
             self._event_handle = handle
-            self.event.wait()
+            self.event.wait(cuda_stream())
         master = self._seg("params", msg.params)
         state = self._seg("state", msg.state)
         self.param_views = [master.standalone(off, DTYPES[dt], shape, st) for dt, shape, off, _, st in msg.param_layout]
@@ -334,7 +343,7 @@ class Replica:
         """On a GPU: wait for this request's CUDA work, so that ``busy`` times it (the reply waits anyway)."""
         if self.on_gpu:
             self.stage += " (waiting for its CUDA work)"
-            torch.cuda.current_stream().synchronize()
+            cuda_stream().synchronize()
             self.stage = "idle"
 
     def after_reply(self) -> None:

@@ -308,7 +308,7 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
     from dpool import protocol as P
     from dpool.channel import Channel
 
-    from .replica import Replica
+    from .replica import Replica, cuda_stream
 
     replica = Replica(session.index, session.device, session.shm_dir)
     replica.known = known
@@ -372,7 +372,7 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
                 reply = replica.handle(msg)
                 if on_gpu:  # our GPU work is done before the coordinator reads it (NOTE [ CUDA ownership ])
                     replica.stage += " (waiting for its CUDA work)"
-                    torch.cuda.current_stream().synchronize()
+                    cuda_stream().synchronize()
             except ClientGone:
                 raise
             except BaseException as exc:  # the model's error travels back as strings
