@@ -27,25 +27,40 @@ def run_script(code: str, timeout: float = 90.0, cwd: str | None = None, env: di
                           cwd=cwd or ROOT, env=full_env)
 
 
-def run_scripts(codes: list[str], timeout: float = 120.0, env: dict | None = None) -> list[subprocess.CompletedProcess]:
-    """Run several coordinator scripts at once (slow fault scenarios in parallel), each like ``run_script``."""
+def run_scripts(codes: list[str], timeout: float = 120.0, env: dict | None = None,
+                at_once: int | None = None) -> list[subprocess.CompletedProcess]:
+    """Run several coordinator scripts side by side (slow fault scenarios in parallel), each like ``run_script``.
+
+    ``at_once``: at most this many run at a time (the next starts when one ends); ``timeout`` is each one's.
+    """
+    import time
+
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join([ROOT, full_env.get("PYTHONPATH", "")])
     full_env["PYTHONFAULTHANDLER"] = "1"
     if env:
         full_env.update(env)
     head = "import faulthandler, sys\nfaulthandler.dump_traceback_later(%r, exit=True)\n" % (timeout - 5)
-    procs = [subprocess.Popen([sys.executable, "-c", head + textwrap.dedent(c)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=full_env) for c in codes]
-    results = []
-    for p, c in zip(procs, codes):
+    limit = at_once or len(codes)
+    results: list[subprocess.CompletedProcess | None] = [None] * len(codes)
+    running: dict[int, tuple[subprocess.Popen, float]] = {}
+    waiting = list(range(len(codes)))
+    while waiting or running:
+        while waiting and len(running) < limit:
+            i = waiting.pop(0)
+            p = subprocess.Popen([sys.executable, "-c", head + textwrap.dedent(codes[i])], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, cwd=ROOT, env=full_env)
+            running[i] = (p, time.monotonic())
+        # communicate() with the oldest: it drains its pipes (a full pipe would block the child) until it ends
+        i = min(running, key=lambda k: running[k][1])
+        p, started = running.pop(i)
         try:
-            out, err = p.communicate(timeout=timeout)
+            out, err = p.communicate(timeout=max(0.1, started + timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             out, err = p.communicate()
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return results
+        results[i] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return [r for r in results if r is not None]
 
 
 def snapshot(module: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> dict:

@@ -15,7 +15,7 @@ import torch
 
 import dpool
 from tests.conftest import wait_for
-from tests.helpers import PYPATH, ROOT, run_script
+from tests.helpers import PYPATH, ROOT, run_script, run_scripts
 
 pytestmark = pytest.mark.slow
 
@@ -77,8 +77,9 @@ def _final_state(res: subprocess.CompletedProcess) -> list:
 
 
 def test_attached_training_equals_embedded_and_status(pool_name):
-    embedded = _final_state(run_script(TRAIN.format(kw=', ["cpu", "cpu"]')))
-    attached = _final_state(run_script(TRAIN.format(kw=f', pool={pool_name!r}')))
+    # the embedded run beside the first attached one (the daemon serves one client at a time)
+    embedded, attached = map(_final_state, run_scripts([TRAIN.format(kw=', ["cpu", "cpu"]'),
+                                                        TRAIN.format(kw=f', pool={pool_name!r}')]))
     via_env = _final_state(run_script(TRAIN.format(kw=""), env={"DPOOL_POOL": pool_name}))  # no code change
     assert attached == embedded == via_env  # bit for bit
     info = status(pool_name)
@@ -148,20 +149,19 @@ def test_tcp_listener_only_when_asked_on_loopback_and_authenticated(tcp_pool, tm
     assert [(c.laddr.ip, c.laddr.port) for c in listening] == [("127.0.0.1", int(port))]
     for w in info["workers"]:
         assert not psutil.Process(w["pid"]).net_connections(kind="inet")
-    # Training over the TCP attach equals an embedded pool bit for bit.
-    embedded = _final_state(run_script(TRAIN.format(kw=', ["cpu", "cpu"]')))
-    over_tcp = _final_state(run_script(TRAIN.format(kw=f", pool={endpoint!r}"), env={"DPOOL_KEY_FILE": key_file}))
+    # Training over the TCP attach equals an embedded pool bit for bit (the two run side by side).
+    embedded, over_tcp = map(_final_state, run_scripts([TRAIN.format(kw=', ["cpu", "cpu"]'),
+                                                        TRAIN.format(kw=f", pool={endpoint!r}")],
+                                                       env={"DPOOL_KEY_FILE": key_file}))
     assert over_tcp == embedded
-    # No key: a clear error before anything is sent. A wrong key: the daemon never answers.
-    res = run_script(f"import dpool, torch\ndpool.wrap(torch.nn.Linear(2, 2), pool={endpoint!r})",
-                     env={"DPOOL_KEY_FILE": ""})
-    assert res.returncode != 0 and "DPOOL_KEY_FILE" in res.stderr
+    # No key: a clear error before anything is sent. A wrong key: the daemon never answers. (Side by side too.)
     wrong = tmp_path / "wrong.key"
     wrong.write_bytes(os.urandom(32))
     wrong.chmod(0o600)
-    res = run_script(f"import dpool, torch\ndpool.wrap(torch.nn.Linear(2, 2), pool={endpoint!r})",
-                     env={"DPOOL_KEY_FILE": str(wrong)})
-    assert res.returncode != 0 and "did not answer" in res.stderr and "DPOOL_KEY_FILE" in res.stderr
+    attempt = f"import os\nos.environ['DPOOL_KEY_FILE'] = {{key!r}}\nimport dpool, torch\ndpool.wrap(torch.nn.Linear(2, 2), pool={endpoint!r})"
+    no_key, wrong_key = run_scripts([attempt.format(key=""), attempt.format(key=str(wrong))])
+    assert no_key.returncode != 0 and "DPOOL_KEY_FILE" in no_key.stderr
+    assert wrong_key.returncode != 0 and "did not answer" in wrong_key.stderr and "DPOOL_KEY_FILE" in wrong_key.stderr
     assert status(name)["client_pid"] is None
 
 

@@ -37,10 +37,11 @@ def test_train_cnn_example_learns():
 
 
 def test_benchmark_smoke(tmp_path):
-    res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe,mlp", "--out", str(tmp_path)], timeout=400)
+    # one workload: every setup's code path runs on it (each further workload only repeats them)
+    res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe", "--out", str(tmp_path)], timeout=400)
     assert res.returncode == 0, res.stderr
     data = json.loads((tmp_path / "smoke.json").read_text())
-    for w in ("probe", "mlp"):
+    for w in ("probe",):
         setups = data["workloads"][w]["setups"]
         assert set(setups) == {"single", "dp", "ddp", "dpool", "dpool-loss", "ideal", "ceiling"}
         assert all(v["samples_per_s"] > 0 for v in setups.values())

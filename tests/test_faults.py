@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 
 import psutil
 import pytest
@@ -19,9 +20,44 @@ from tests.helpers import run_script, run_scripts
 pytestmark = pytest.mark.slow
 
 
+# Every fault() scenario of this module. When several of their tests are selected, the first one runs them
+# all, _AT_ONCE at a time (most of a scenario is waiting: for a worker's start-up, a timeout, a heartbeat),
+# and each test checks its own result. A test selected alone runs only its own.
+_FAULTS = [("sigkill_forward", {}), ("sigkill_backward", {}), ("kill_all", {"workers": 1, "victim": 0}),
+           ("kill_all", {"workers": 3, "victim": 0}), ("gil_hang", {"heartbeat_timeout_s": 1.0}),
+           ("sigstop", {"heartbeat_timeout_s": 1.0}), ("progress_hang", {"step_timeout_s": 2.0}),
+           ("memory_error", {}), ("result_pickling", {}), ("sigint", {}), ("close_from_thread", {}),
+           ("sigkill_forward", {"max_restarts": 1, "heartbeat_timeout_s": 1.0}),
+           ("gil_hang", {"max_restarts": 1, "heartbeat_timeout_s": 1.0}), ("segfault", {}), ("exit0", {})]
+_AT_ONCE = 3
+_ran: dict[str, subprocess.CompletedProcess] = {}
+
+
+def _code(name: str, params: dict) -> str:
+    return f"from tests.fault_scenarios import run; import json; print('RESULT ' + json.dumps(run({name!r}, {params!r})))"
+
+
+@pytest.fixture(scope="module")
+def faults(request):
+    """Runs this module's fault scenarios side by side when more than one of their tests is selected;
+    checks that the batch left no process, segment or socket file behind."""
+    mine = [i for i in request.session.items if i.module is request.module and "faults" in i.fixturenames]
+    if len(mine) > 1:
+        from tests.conftest import leak_check
+
+        check = leak_check()
+        next(check)
+        codes = [_code(name, params) for name, params in _FAULTS]
+        for (name, params), res in zip(_FAULTS, run_scripts(codes, timeout=100, at_once=_AT_ONCE)):
+            _ran[_code(name, params)] = res
+        next(check, None)
+    yield
+    _ran.clear()
+
+
 def fault(name: str, **params) -> dict:
-    code = f"from tests.fault_scenarios import run; import json; print('RESULT ' + json.dumps(run({name!r}, {params!r})))"
-    res = run_script(code, timeout=100)
+    code = _code(name, params)
+    res = _ran.pop(code, None) or run_script(code, timeout=100)
     lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
     assert res.returncode == 0 and lines, f"scenario {name} failed:\n{res.stdout}\n{res.stderr}"
     out = json.loads(lines[-1][len("RESULT "):])
@@ -37,7 +73,7 @@ def assert_broken(r: dict) -> None:
 
 
 @pytest.mark.parametrize("name,sig", [("sigkill_forward", "SIGKILL"), ("sigkill_backward", "SIGKILL")])
-def test_p1_p2_sigkill_mid_step(name, sig):
+def test_p1_p2_sigkill_mid_step(name, sig, faults):
     r = fault(name)
     assert r["error"] == "WorkerDiedError" and r["worker"] == 1 and r["signal_name"] == sig
     assert r["pid"] == r["pids"][1] and r["step"] >= 2
@@ -48,7 +84,7 @@ def test_p1_p2_sigkill_mid_step(name, sig):
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_p7_all_workers_die_at_once(n):
+def test_p7_all_workers_die_at_once(n, faults):
     r = fault("kill_all", workers=n, victim=0)
     assert r["error"] == "WorkerDiedError"
     assert sorted(r["workers"]) == list(range(n)), r["message"]
@@ -57,7 +93,7 @@ def test_p7_all_workers_die_at_once(n):
     assert_broken(r)
 
 
-def test_h1_gil_hang_detected_by_python_heartbeat():
+def test_h1_gil_hang_detected_by_python_heartbeat(faults):
     r = fault("gil_hang", heartbeat_timeout_s=1.0)
     assert r["error"] == "WorkerTimeoutError" and r["worker"] == 1
     assert "no heartbeat" in r["message"] and "holding the GIL" in r["message"]
@@ -65,13 +101,13 @@ def test_h1_gil_hang_detected_by_python_heartbeat():
     assert_broken(r)
 
 
-def test_h2_frozen_worker():
+def test_h2_frozen_worker(faults):
     r = fault("sigstop", heartbeat_timeout_s=1.0)
     assert r["error"] == "WorkerTimeoutError" and r["worker"] == 1 and "no heartbeat" in r["message"]
     assert_broken(r)
 
 
-def test_h3_progress_hang_hits_step_deadline():
+def test_h3_progress_hang_hits_step_deadline(faults):
     r = fault("progress_hang", step_timeout_s=2.0)
     assert r["error"] == "WorkerTimeoutError" and r["worker"] == 1
     assert "exceeded step_timeout=2s" in r["message"]
@@ -79,25 +115,25 @@ def test_h3_progress_hang_hits_step_deadline():
     assert_broken(r)
 
 
-def test_r1_memory_error_is_remote_and_pool_survives():
+def test_r1_memory_error_is_remote_and_pool_survives(faults):
     r = fault("memory_error")
     assert r["error"] == "RemoteMemoryError" and "MemoryError" in r["error_mro"] and "RemoteError" in r["error_mro"]
     assert r["unchanged"] is True and r["next"] == "ok"
 
 
-def test_p6_result_pickling_error_is_remote():
+def test_p6_result_pickling_error_is_remote(faults):
     r = fault("result_pickling")
     assert "RemoteError" in r["error_mro"] and "cannot be pickled" in r["message"]
     assert r["unchanged"] is True and r["next"] == "ok"
 
 
-def test_l6_ctrl_c_mid_step():
+def test_l6_ctrl_c_mid_step(faults):
     r = fault("sigint")
     assert r["error"] == "KeyboardInterrupt" and r["detect_s"] < 5, r
     assert r["unchanged"] is True and r["next"] == "ok"  # the pool survives an interrupted call
 
 
-def test_l6_close_from_another_thread_mid_step():
+def test_l6_close_from_another_thread_mid_step(faults):
     r = fault("close_from_thread")
     assert r["error"] in ("PoolBrokenError", "WorkerDiedError") and r["detect_s"] < 5
     assert r["unchanged"] is True and r["next"] == "PoolBrokenError"
@@ -106,7 +142,7 @@ def test_l6_close_from_another_thread_mid_step():
 
 
 @pytest.mark.parametrize("name", ["sigkill_forward", "gil_hang"])
-def test_max_restarts_respawns_and_resyncs(name):
+def test_max_restarts_respawns_and_resyncs(name, faults):
     r = fault(name, max_restarts=1, heartbeat_timeout_s=1.0)
     assert r["error"] in ("WorkerDiedError", "WorkerTimeoutError")
     assert "restarted and re-synced" in r["message"]
@@ -134,7 +170,7 @@ def test_r2_every_call_after_a_restart_runs_normally():
 
 
 @pytest.mark.parametrize("name,how", [("segfault", "killed by SIGSEGV"), ("exit0", "exited with code 0")])
-def test_p3_p4_crash_and_clean_exit_mid_step(name, how):
+def test_p3_p4_crash_and_clean_exit_mid_step(name, how, faults):
     r = fault(name)
     assert r["error"] == "WorkerDiedError" and r["worker"] == 1 and how in r["message"]
     if name == "segfault":
