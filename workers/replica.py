@@ -56,7 +56,7 @@ def cuda_stream() -> torch.cuda.Stream:
     """This GPU worker's current stream: the one GPU it sees is device 0 (``CUDA_VISIBLE_DEVICES``).
 
     ``torch.cuda.current_stream()`` without a device looks the current device up first, through
-    NVML's device count: about 10 us a call, three calls a request (measured on an H100 machine).
+    NVML's device count: 7.3 against 3.1 us a call on an H100 machine, three calls a request.
     """
     return torch.cuda.current_stream(0)
 
