@@ -49,6 +49,18 @@ def _user_stacklevel() -> int:
     return level
 
 
+def _keeps_graph() -> bool:
+    """Inside a backward: whether it was asked to keep the graph (``retain_graph``). ``True`` when torch
+    cannot tell: then :meth:`Graphs.collect` asks the node itself whether its saved tensors are gone."""
+    ask = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if ask is None:
+        return True
+    try:
+        return bool(ask())
+    except RuntimeError:  # not inside the engine's graph task (it always is, here)
+        return True
+
+
 class Graphs:
     """Which calls' graphs the workers keep, and when they may free them.
 
@@ -65,6 +77,7 @@ class Graphs:
         self._epoch = 0  # graphs of calls up to this id are lost
         self._live: dict[int, Any] = {}  # call → weakref to what keeps its graph alive
         self._released: set[int] = set()
+        self._spent: set[int] = set()  # live calls whose saved tensors a backward freed (see spent())
 
     def new_call(self) -> int:
         self.last_call += 1
@@ -89,11 +102,17 @@ class Graphs:
         """Whether ``call``'s graph (and its outputs, for ``gather=False``) are still on the workers."""
         return not self.lost(call) and call in self._live
 
+    def spent(self, call: int) -> None:
+        """A backward without ``retain_graph`` ran through ``call``'s node: autograd frees its saved tensors
+        as the backward leaves the node, so :meth:`collect` need not ask the node (which raises then)."""
+        if call in self._live:
+            self._spent.add(call)
+
     def collect(self, on_release: Any) -> list[int]:
         """Calls whose graphs may be freed now: released ones, and those whose owner is gone."""
         for call, ref in list(self._live.items()):
             owner = ref()
-            freed = owner is None
+            freed = owner is None or call in self._spent
             if not freed:
                 try:
                     owner.saved_tensors
@@ -101,6 +120,7 @@ class Graphs:
                     freed = True
             if freed:
                 del self._live[call]
+                self._spent.discard(call)
                 self._released.add(call)
                 on_release(call)
         out = sorted(self._released)
@@ -112,9 +132,11 @@ class Graphs:
         self._epoch = self.last_call
         self._released.update(self._live)
         self._live.clear()
+        self._spent.clear()
 
     def clear(self) -> None:
         self._live.clear()
+        self._spent.clear()
 
 
 class CallState:
@@ -265,7 +287,10 @@ class Bridge(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         ctx.saved_tensors  # raises torch's own error on a second backward without retain_graph
         state: CallState = ctx.state
-        return (None, None, *state.runtime.backward(state, grads, None, ctx.param_idx))
+        grads_out = state.runtime.backward(state, grads, None, ctx.param_idx)
+        if not _keeps_graph():  # autograd frees ctx's saved tensors as this returns: the workers may free theirs
+            state.runtime.graphs.spent(state.call)
+        return (None, None, *grads_out)
 
 
 class DoubleState:

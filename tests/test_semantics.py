@@ -180,6 +180,30 @@ def test_two_forwards_one_backward_and_retain_graph(wrap):
     assert [w["graphs_kept"] for w in model.stats(inspect=True)["workers"]] == [0, 0]  # both freed
 
 
+def test_a_graph_is_kept_for_retain_graph_and_freed_after_a_plain_backward_while_the_loss_lives(wrap):
+    """The workers free a call's graph as soon as a backward without retain_graph went through it, even
+    while the user still holds the loss (its Bridge node alive); with retain_graph they keep it."""
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    x = torch.randn(6, 12, dtype=torch.float64)
+    loss, rloss = model(x).sum(), ref(x).sum()
+    loss.backward(retain_graph=True)
+    rloss.backward(retain_graph=True)
+    assert [w["graphs_kept"] for w in model.stats(inspect=True)["workers"]] == [1, 1]  # a second backward may come
+    loss.backward()  # the second one, which frees the graph
+    rloss.backward()
+    assert [w["graphs_kept"] for w in model.stats(inspect=True)["workers"]] == [0, 0]
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    other = model(x).sum()
+    torch.autograd.grad(other, list(net.parameters()))  # retain_graph defaults to create_graph=False
+    assert [w["graphs_kept"] for w in model.stats(inspect=True)["workers"]] == [0, 0]
+    del loss, other
+
+
 def test_no_grad_inference_mode_and_no_graph_kept(wrap):
     model = wrap(models.make("mlp"))
     x = torch.randn(8, 12, dtype=torch.float64)
