@@ -139,10 +139,12 @@ def breakdown(r: Runner, steps: int, warmup: int) -> None:
 
     The syncs stop the host from running ahead of the GPU, so the phases add up to more than a
     plain step; what they show is which phase a setup pays more in. For dpool, ``workers`` is the
-    slower worker's busy time in forward and in backward (synced in the worker).
+    slower worker's busy time in forward and in backward (synced in the worker), and each round's wall
+    time is split into its requests' and replies' way (``model.stats()``, medians over the workers).
     """
     phases: dict[str, list[float]] = {p: [] for p in ("forward", "loss", "backward", "optimizer", "step")}
     busy: dict[str, list[float]] = {"forward": [], "backward": []}
+    split: dict[str, list[list[float]]] = {"forward": [], "backward": []}  # round, request, reply (model.stats())
     for i in range(warmup + steps):
         x, y = r.data[i % len(r.data)]
         r.opt.zero_grad(set_to_none=True)
@@ -166,14 +168,20 @@ def breakdown(r: Runner, steps: int, warmup: int) -> None:
             phases[name].append((t[k + 1] - t[k]) * 1e3)
         phases["step"].append((t[-1] - t[0]) * 1e3)
         if r.setup.startswith("dpool"):
-            st = r.model.stats()["workers"]
-            busy["forward"].append(max(w["forward_ms"] for w in st))
-            busy["backward"].append(max(w["backward_ms"] for w in st))
+            stats = r.model.stats()
+            for kind in ("forward", "backward"):  # each round split on the clock all processes share
+                busy[kind].append(max(w[f"{kind}_ms"] for w in stats["workers"]))
+                split[kind].append([stats["round_ms"][kind],
+                                    statistics.median(w[f"{kind}_request_ms"] for w in stats["workers"]),
+                                    statistics.median(w[f"{kind}_reply_ms"] for w in stats["workers"])])
     med = {k: statistics.median(v) for k, v in phases.items()}
     line = " | ".join(f"{k} {v:.2f}" for k, v in med.items())
     if busy["forward"]:
         line += (f" | workers: forward {statistics.median(busy['forward']):.2f}, "
                  f"backward {statistics.median(busy['backward']):.2f}")
+        for kind in ("forward", "backward"):
+            whole, there, back = (statistics.median(col) for col in zip(*split[kind]))
+            line += f" | {kind} round {whole:.2f}: request {there:.2f}, reply {back:.2f}"
     print(f"{r.setup:7s} ms (median, synced phases): {line}", flush=True)
     r.close()
 

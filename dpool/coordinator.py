@@ -485,6 +485,7 @@ class Runtime:
             replies = self._request(msgs, "running forward")
             pool.unlink_segments()
             self._raise_failures(replies, "forward")
+            self.stats.split_round("forward", pool.sent_at, pool.arrived, replies, k)
             fetch = {s: r.need for s, r in replies.items() if r.need}
             if fetch:
                 fmsgs = {s: P.Fetch(call, self.io.ensure(s, "out", need).ref()) for s, need in fetch.items()}
@@ -633,6 +634,7 @@ class Runtime:
         self.stats.backward(busy, k * seed.element_size(),
                             sum(end - start for _, start, end, _ in self.layout.param_groups) * k)
         self.stats.backward_rounds_saved += 1
+        self.stats.no_round("backward")
         self.balancer.observe(1, busy, state.rows)
         input_grads = state.input_grads([r.input_grads for r in replies])
         return input_grads + [param_grads[i] for i in param_idx]
@@ -756,6 +758,7 @@ class Runtime:
             pool.on_bucket = None
         pool.unlink_segments()
         self._raise_failures(replies, "backward")
+        self.stats.split_round("backward", pool.sent_at, pool.arrived, replies, k)
         need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}
         if need:  # sparse gradients larger than the sparse segment (or the first ones): grow it, fetch them
             fetched = self._request({s: P.FetchSparse(call, self.io.ensure(s, "sparse", n).ref())

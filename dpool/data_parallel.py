@@ -257,7 +257,11 @@ class DataParallel(nn.DataParallel):
             dict: ``steps`` (forwards so far), ``restarts`` (workers respawned), ``shard_rows``
             (rows per shard of the latest forward), ``workers`` (per worker: ``index``, ``device``,
             ``pid``, ``forward_ms`` and ``backward_ms``, the time its handler took in the latest
-            forward and backward; with ``inspect``, ``graphs_kept`` and ``rss_bytes``) and
+            forward and backward; ``forward_request_ms``, ``forward_reply_ms``, ``backward_request_ms``
+            and ``backward_reply_ms``, the time its request took to reach the handler and its reply to
+            be read back; with ``inspect``, ``graphs_kept`` and ``rss_bytes``), ``round_ms``
+            (``forward``, ``backward``: each round's wall time, 0 for a backward that the loss round
+            already ran) and
             ``bytes_per_step`` (``inputs``, ``outputs``, ``output_grads`` and ``param_grads`` moved
             through shared memory in the latest step), ``backward_rounds_saved`` (backwards of a
             :class:`dpool.criterion`'s loss that the workers had already run in the loss round).

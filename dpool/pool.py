@@ -132,6 +132,10 @@ class Pool:
         self.on_bucket: Callable[[int, int, int], None] | None = None
         self.key = secrets.token_bytes(32)
         self._pending = [0] * len(self.devices)
+        # the latest round's timestamps (time.monotonic(), the clock the workers' replies use too): when
+        # its first request left, and when each worker's reply was read (see dpool.stats.Stats.split_round)
+        self.sent_at = 0.0
+        self.arrived = [0.0] * len(self.devices)
         self.workers = [Worker(i, d) for i, d in enumerate(self.devices)]
         self._by_ident: dict[bytes, int] = {}  # routing identity → worker index (checked against workers)
         self._ctx = zmq.Context()
@@ -355,6 +359,7 @@ class Pool:
             try:
                 for d, event in self._events.items():  # workers' streams wait for what we queued so far
                     event.record(torch.cuda.current_stream(d))
+                self.sent_at = time.monotonic()
                 for idx, msg in msgs.items():
                     self._send(idx, msg)
                 return self._wait(set(msgs), stage, loading)
@@ -471,6 +476,7 @@ class Pool:
                         continue
                     if idx in need:
                         replies[idx] = msg
+                        self.arrived[idx] = time.monotonic()
                         need.discard(idx)
                         if isinstance(msg, P.Failed):
                             self._hub.abort(self._reply)

@@ -95,7 +95,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 8  # 8: criterion may carry a backward seed; criterion_done reports that backward;
+PROTOCOL_VERSION = 9  # 9: forward_done and backward_done carry when the worker's handler started
+# 8: criterion may carry a backward seed; criterion_done reports that backward;
 # backward and criterion carry the parameters' requires_grad flags of the moment
 # 7: keyed BLAKE2b MACs instead of HMAC-SHA256
 # 6: bucket_ready (gradient buckets reported during backward); backward_done's late
@@ -320,12 +321,15 @@ class Forward(Message):
     seed: int
 
 
-@_message("forward_done", call=_INT, tree=(object,), tensors=_METAS, need=_INT, stats=_LIST, busy=(float,))
+@_message("forward_done", call=_INT, tree=(object,), tensors=_METAS, need=_INT, stats=_LIST, busy=(float,),
+          started=(float,))
 class ForwardDone(Message):
     """The replica's output structure; ``need > 0`` means the outputs segment was too small.
 
     ``stats`` holds per-BatchNorm value counts when the ``"sync"`` buffer policy needs them;
-    ``busy`` is the seconds the worker spent on the request (for ``balance="auto"``).
+    ``busy`` is the seconds the worker spent on the request (for ``balance="auto"``), from ``started``,
+    its ``time.monotonic()`` when the handler began (the clock every process of a machine shares: the
+    coordinator splits a round's time with it, see :meth:`dpool.stats.Stats.split_round`).
     """
 
     call: int
@@ -334,6 +338,7 @@ class ForwardDone(Message):
     need: int
     stats: list
     busy: float
+    started: float
 
 
 @_message("fetch", call=_INT, outputs=_LIST)
@@ -380,7 +385,7 @@ class Backward(Message):
 
 
 @_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_METAS, busy=(float,), sparse=_LIST,
-          sparse_need=_INT, late=_BOOL)
+          sparse_need=_INT, late=_BOOL, started=(float,))
 class BackwardDone(Message):
     """Parameter gradients are in the worker's gradient slot; ``param_mask`` says which exist.
 
@@ -389,7 +394,8 @@ class BackwardDone(Message):
     values meta]`` of each, coalesced, in the sparse segment; ``sparse_need > 0`` means
     that segment was too small and the gradients wait for :class:`FetchSparse`.
     ``late``: a parameter's gradient grew after its bucket was reported ready
-    (:class:`BucketReady`), so what was sent early is stale.
+    (:class:`BucketReady`), so what was sent early is stale. ``busy`` and ``started``: as
+    :class:`ForwardDone`'s.
     """
 
     call: int
@@ -399,6 +405,7 @@ class BackwardDone(Message):
     sparse: list
     sparse_need: int
     late: bool
+    started: float
 
 
 @_message("fetch_sparse", call=_INT, sparse=_LIST)

@@ -197,7 +197,7 @@ def test_tensor_metas_arrive_typed():
     """Tensor metas travel as arrays and come out of decode() as TensorMeta (None kept)."""
     codec = P.Codec(KEY)
     meta = P.TensorMeta("float32", [2, 3], 64, True)
-    _, msg = codec.decode([codec.encode(P.BackwardDone(1, b"\x01", [meta, None], 0.5, [], 0, False), 7)])
+    _, msg = codec.decode([codec.encode(P.BackwardDone(1, b"\x01", [meta, None], 0.5, [], 0, False, 12.5), 7)])
     assert msg.input_grads == [meta, None] and isinstance(msg.input_grads[0], P.TensorMeta)
     assert msg.input_grads[0].requires_grad is True and msg.input_grads[0].shape == [2, 3]
 

@@ -303,6 +303,30 @@ def test_stats_report_timings_shards_restarts_and_bytes(wrap):
                                     "param_grads": (8 + 2) * 4 * 2}  # each worker's slot: weight and bias
 
 
+def test_stats_split_each_round_into_request_handler_and_reply(wrap):
+    """Each round's wall time is split per worker on the clock all processes share: the request's way there,
+    the handler, the reply's way back. The three parts of every worker fit inside the round; a backward the
+    loss round already ran has no round of its own."""
+    model = wrap(nn.Linear(4, 2), ["cpu", "cpu"])
+    for _ in range(3):
+        model(torch.randn(7, 4)).sum().backward()
+    st = model.stats()
+    for kind in ("forward", "backward"):
+        whole = st["round_ms"][kind]
+        assert whole > 0, st
+        for w in st["workers"]:
+            there, busy, back = w[f"{kind}_request_ms"], w[f"{kind}_ms"], w[f"{kind}_reply_ms"]
+            assert there > 0 and busy > 0 and back > 0, (kind, w)
+            assert there + busy + back <= whole + 0.003, (kind, w, whole)  # each rounded to 1 us
+    loss_model = wrap(nn.Linear(4, 3), ["cpu", "cpu"], gather=False)
+    crit = dpool.criterion(nn.CrossEntropyLoss())
+    crit(loss_model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+    st = loss_model.stats()
+    assert st["backward_rounds_saved"] == 1 and st["round_ms"]["backward"] == 0.0
+    assert st["round_ms"]["forward"] > 0
+    assert all(w["backward_request_ms"] == 0.0 and w["backward_reply_ms"] == 0.0 for w in st["workers"])
+
+
 def test_logging_goes_to_the_dpool_logger(wrap, caplog):
     import logging
 

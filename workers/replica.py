@@ -358,7 +358,7 @@ class Replica:
         if msg.release:
             self._to_release = msg.release  # freeing graphs can wait until the reply is out
         self.stage = f"running forward on shard {msg.shard}"
-        t0 = time.perf_counter()
+        t0 = time.monotonic()  # the clock the coordinator reads too: it splits the round's time with it
         inp = self._seg("in", msg.inputs)
         self._seg("out", msg.outputs)
         self._apply_flags(msg.training, msg.requires_grad)
@@ -401,12 +401,12 @@ class Replica:
         offsets = [placer.reserve(t) for t in outs]
         if placer.offset > msg.outputs[1]:
             self.unfetched[msg.call] = (outs, msg.grad)
-            return P.ForwardDone(msg.call, spec, [], placer.offset, list(self._bn_counts), time.perf_counter() - t0)
+            return P.ForwardDone(msg.call, spec, [], placer.offset, list(self._bn_counts), time.monotonic() - t0, t0)
         out_seg = self.segs["out"]
         metas = [Placer.write(out_seg.views, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
         self.stage = "idle"
         self._sync()
-        return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.perf_counter() - t0)
+        return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.monotonic() - t0, t0)
 
     def fetch(self, msg: P.Fetch) -> P.Message:
         if msg.call in self.unfetched:
@@ -422,7 +422,7 @@ class Replica:
     # ---------------------------------------------------------------- backward
     def backward(self, msg: P.Backward) -> P.Message:
         self.stage = f"running backward at step {msg.step}"
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         call = self.calls.get(msg.call)
         if call is None:
             raise RuntimeError(
@@ -545,8 +545,8 @@ class Replica:
             leaf.grad = None
         self.stage = "idle"
         self._sync()
-        return P.BackwardDone(call_id, bytes(mask), metas, time.perf_counter() - t0, smetas, sparse_need,
-                              report and self._late)
+        return P.BackwardDone(call_id, bytes(mask), metas, time.monotonic() - t0, smetas, sparse_need,
+                              report and self._late, t0)
 
     def _backward_create_graph(self, msg: P.Backward, call: _Call, roots: list[torch.Tensor],
                                grads: list[torch.Tensor], giseg: Mapped, t0: float) -> P.Message:
@@ -595,7 +595,7 @@ class Replica:
             metas.append(Placer.write(giseg.views, off, r.detach()))
         self.calls[msg.keep_as] = _Call(results, gleaves + list(call.leaves), call.world)
         self.stage = "idle"
-        return P.BackwardDone(msg.call, bytes(mask), metas, time.perf_counter() - t0, [], 0, False)
+        return P.BackwardDone(msg.call, bytes(mask), metas, time.monotonic() - t0, [], 0, False, t0)
 
     def _write_sparse(self, sparse: list[tuple[int, torch.Tensor, torch.Tensor]], ref: list) -> tuple[list, int]:
         """Write sparse gradients into the segment ``ref``; (metas, 0), or ([], bytes needed) if too small."""
@@ -653,7 +653,7 @@ class Replica:
         own = self._backward_flags(msg.requires_grad)
         try:
             return self._backward(msg.call, call, [total], [seed], self._seg("gin", msg.input_grads),
-                                  msg.input_grads[1], False, [None, 0], time.perf_counter(), speculative=True)
+                                  msg.input_grads[1], False, [None, 0], time.monotonic(), speculative=True)
         except Exception:  # sparse gradients (_NotSpeculable) or the model's error: a fresh start next time
             for p in self.params:
                 p.grad = None
