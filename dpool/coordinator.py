@@ -44,6 +44,7 @@ from .cpus import physical_cores
 from .crossnode import FORWARD, CrossNode, CrossNodeReducer
 from .errors import DpoolValueError, UnsupportedError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
+from .launch import reply_together
 from .layout import Layout
 from .loss import ShardedOutput, build_output, combine, predict_seed
 from .peers import arm_exit_guard
@@ -135,6 +136,10 @@ class Runtime:
         if attach is not None and max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         self.pool = Pool(devices, config, worker_threads, attach=attach)
+        # Where the coordinator has no core of its own, rounds of several shards ask the workers to reply
+        # together (see dpool.protocol.TOGETHER_WAIT_S); never in cross-node mode, whose buckets leave while
+        # the workers still run.
+        self.pool.reply_together = nodes is None and reply_together(self.devices, self.pool.threads)
         if nodes is not None:  # SyncBatchNorm's statistics span every worker of every node
             self.pool.hub.across = functools.partial(nodes.all_reduce, doing="combining SyncBatchNorm statistics")
         self.io = IORegions(self.n, lambda w, size: self.pool.new_segment(size, device=self.devices[w], owner=w))
@@ -462,6 +467,7 @@ class Runtime:
             check_free(self.config.shm_dir, grow)  # all shards' new segments, before creating any
         if self.cuda:
             self._push()
+        together = pool.together(k)  # reply together ([] unless the pool asks for it, see Pool.together)
         try:
             for s in range(k):
                 offs, need = layouts[s]
@@ -476,7 +482,7 @@ class Runtime:
                 out = self.io.ensure(s, "out", 0)
                 msgs[s] = P.Forward(call, pool.step, grad, training, requires_grad,
                                     self.layout.buffer_range is not None, seg.ref(), out.ref(), spec, metas, s,
-                                    world, not self.gather_outputs, autocast, release, seed)
+                                    world, not self.gather_outputs, autocast, release, seed, together)
         except BaseException:
             pool.unlink_segments()  # segments made for this call were never announced to a worker
             self.graphs.release(release)
@@ -736,6 +742,7 @@ class Runtime:
         pool = self.pool
         msgs: dict[int, P.Message] = {}
         flags = bytes(p.requires_grad for p in self.params)  # accumulate as one process would now
+        together = pool.together(k)
         for s in range(k):
             mine = per_shard[s]
             placer = Placer()
@@ -745,7 +752,7 @@ class Runtime:
             gin = self.io.ensure(s, "gin", gin_sizes[s])
             sparse = self.io.segment(s, "sparse")
             msgs[s] = P.Backward(call, pool.step, seg.ref(), gmetas, gin.ref(), hold,
-                                 sparse.ref() if sparse is not None else [None, 0], keep, flags)
+                                 sparse.ref() if sparse is not None else [None, 0], keep, flags, together)
         self._slot_gen += 1  # the slots are written from here on, whatever the outcome
         if hold:
             self._workers_hold = True

@@ -136,6 +136,10 @@ class Pool:
         # its first request left, and when each worker's reply was read (see dpool.stats.Stats.split_round)
         self.sent_at = 0.0
         self.arrived = [0.0] * len(self.devices)
+        # Whether rounds of several shards ask the workers to reply together (set by the runtime), and the
+        # number of the latest such round.
+        self.reply_together = False
+        self._together_round = 0
         self.workers = [Worker(i, d) for i, d in enumerate(self.devices)]
         self._by_ident: dict[bytes, int] = {}  # routing identity → worker index (checked against workers)
         self._ctx = zmq.Context()
@@ -153,8 +157,9 @@ class Pool:
         try:
             self.chan.bind(self.endpoint)
             self._poller.register(self.chan.sock, zmq.POLLIN)
-            # Heartbeat slots: one int64 (CLOCK_MONOTONIC ns) per worker, passed to workers by fd.
-            self.control = self.new_segment(8 * max(1, len(self.devices)), min_size=4096, keep_fd=True)
+            # Heartbeat slots: one int64 (CLOCK_MONOTONIC ns) per worker, passed to workers by fd; then one
+            # int64 per worker, the latest round it finished when asked to reply together (see together()).
+            self.control = self.new_segment(16 * max(1, len(self.devices)), min_size=4096, keep_fd=True)
             if self.launcher.spawns:
                 self.control.unlink()  # our own workers map it by inherited fd
             self.control.u8[: 8 * len(self.devices)].view(torch.int64).fill_(time.monotonic_ns())
@@ -317,6 +322,14 @@ class Pool:
                     waiting.discard(idx)
 
     # ------------------------------------------------------------------ rounds
+    def together(self, k: int) -> list:
+        """The ``together`` field of a forward or backward round of ``k`` shards: ``[]`` (each worker replies
+        as soon as it is done), or ``[round, k, offset]`` (see :data:`dpool.protocol.TOGETHER_WAIT_S`)."""
+        if not self.reply_together or k < 2:
+            return []
+        self._together_round += 1
+        return [self._together_round, k, 8 * len(self.devices)]
+
     def check_usable(self) -> None:
         if os.getpid() != self.owner_pid:
             raise ForkedChildError(

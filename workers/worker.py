@@ -212,7 +212,7 @@ def main() -> None:
     if boot.mode != "daemon":
         control = attach(boot.shm_dir, boot.control)
         beat.target(control.u8[: 8 * (index + 1)].view(torch.int64)[index:])
-        _serve(ctx, boot, known, None)
+        _serve(ctx, boot, known, None, control=control)
         ctx.term()
         _unlink(boot.shm_dir, known)
         sys.stdout.flush()
@@ -249,7 +249,7 @@ def _daemon_loop(ctx: Any, boot: Any, beat: _Beat, known: set[str]) -> None:
         beat.target(control.u8[: 8 * (index + 1)].view(torch.int64)[index:])
         session = dataclasses.replace(boot, key=msg.key, endpoint=msg.endpoint, ident=msg.ident,
                                       max_message_bytes=msg.max_message_bytes)
-        steps, reason = _serve(ctx, session, known, msg.client_pid, steps_slot)
+        steps, reason = _serve(ctx, session, known, msg.client_pid, steps_slot, control)
         beat.target(None)
         del control
         _unlink(boot.shm_dir, known)
@@ -295,9 +295,10 @@ def _unlink(shm_dir: str, names: set[str]) -> None:
 
 
 def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
-           steps_slot: Any = None) -> tuple[int, str]:
+           steps_slot: Any = None, control: Any = None) -> tuple[int, str]:
     """Serve one coordinator (``session``: a :class:`dpool.protocol.Boot`) until ``shutdown``
-    (or, attached to a daemon, until its process dies).
+    (or, attached to a daemon, until its process dies). ``control``: the coordinator's control segment
+    (heartbeats, then the rounds each worker finished: see :func:`_reply_together`).
 
     Returns:
         (requests served, why it ended)
@@ -343,6 +344,8 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
             if events.get(client_fd):
                 raise ClientGone()
 
+    # int64 slots of the control segment: each worker's latest round when asked to reply together
+    rounds = memoryview(control.mmap).cast("q") if control is not None else None
     replica.collective = _Collective(send, recv)
     replica.notify = send  # bucket_ready reports during a backward (cross-node overlap)
     on_gpu = session.device.startswith("cuda")
@@ -380,6 +383,9 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
                 if on_gpu and sticky_error(exc):
                     _cuda_context_lost(replica, exc, lambda e=exc: send(_failed(stage + P.CONTEXT_LOST, e)), ctx)
                 reply = _failed(stage, exc)
+            if rounds is not None and getattr(msg, "together", None):
+                _reply_together(rounds, replica.index, msg.together,
+                                P.TOGETHER_WAIT_S if not isinstance(reply, P.Failed) else 0.0)
             send(reply)
             if msg.op == "forward":
                 served += 1
@@ -397,9 +403,34 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
                     pass
             sys.stdout, sys.stderr = saved
         chan.sock.close(linger=linger)
+        if rounds is not None:
+            rounds.release()  # the daemon unmaps the segment between clients
         if client_fd is not None:
             os.close(client_fd)
     return served, reason
+
+
+def _reply_together(rounds: Any, index: int, together: list, limit: float) -> None:
+    """Mark round ``together[0]`` done for this worker, then wait (on this worker's own core) until the
+    round's ``together[1]`` shards all marked it, at most ``limit`` seconds (0 for a failed request). The
+    replies then reach the coordinator together, and it wakes once per round (see
+    :data:`dpool.protocol.TOGETHER_WAIT_S`).
+
+    Only an optimisation: a peer that is slow, dead or hung just ends the wait at its bound.
+    """
+    rnd, shards, offset = together
+    base = offset // 8
+    rounds[base + index] = rnd
+    if limit <= 0:
+        return
+    deadline = time.monotonic() + limit
+    peers = range(base, base + shards)
+    while time.monotonic() < deadline:
+        for j in peers:
+            if rounds[j] < rnd:
+                break
+        else:
+            return
 
 
 class CollectiveAborted(RuntimeError):
