@@ -135,11 +135,12 @@ class Runtime:
         self._sent_flags: tuple | None = None  # GPU numerics settings the workers have (see _follow_backend_flags)
         if attach is not None and max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
-        self.pool = Pool(devices, config, worker_threads, attach=attach)
         # Where the coordinator has no core of its own, rounds of several shards ask the workers to reply
         # together (see dpool.protocol.TOGETHER_WAIT_S); never in cross-node mode, whose buckets leave while
-        # the workers still run.
-        self.pool.reply_together = nodes is None and reply_together(self.devices, self.pool.threads)
+        # the workers still run. (Read before the pool exists: a bad DPOOL_REPLY_TOGETHER leaves nothing.)
+        together = nodes is None and reply_together(self.devices, worker_threads)
+        self.pool = Pool(devices, config, worker_threads, attach=attach)
+        self.pool.reply_together = together
         if nodes is not None:  # SyncBatchNorm's statistics span every worker of every node
             self.pool.hub.across = functools.partial(nodes.all_reduce, doing="combining SyncBatchNorm statistics")
         self.io = IORegions(self.n, lambda w, size: self.pool.new_segment(size, device=self.devices[w], owner=w))

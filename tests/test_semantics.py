@@ -600,6 +600,46 @@ def test_a_job_under_a_cgroup_cpu_quota_of_one_cpu_starts_one_worker_with_one_th
         os.rmdir(group)  # fails (EBUSY) if a process of the job were still in it
 
 
+@pytest.mark.parametrize("policy", [None, "on", "off"])
+def test_workers_reply_together_where_the_coordinator_has_no_core_of_its_own(wrap, monkeypatch, policy):
+    """By default, when two or more CPU workers' threads fill the cores, every round of several shards asks
+    them to reply together: each marks the round done in the control segment (the one done first then waits
+    a bounded time for the others). A round of one shard asks nothing. ``DPOOL_REPLY_TOGETHER`` overrides.
+    The numbers are a single process's either way."""
+    from dpool.cpus import allowed_cores
+
+    if policy is not None:
+        monkeypatch.setenv("DPOOL_REPLY_TOGETHER", policy)
+    cores = allowed_cores()
+    assert len(cores) >= 2, "this test needs two cores"
+    threads = len(cores) // 2
+    asks = policy == "on" or (policy is None and 2 * threads == len(cores))
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu", "cpu"], worker_threads=threads)
+    x = torch.randn(6, 12, dtype=torch.float64)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+    rounds = memoryview(model._runtime.pool.control.mmap).cast("q")  # heartbeats, then the rounds marked
+    try:
+        marked = [rounds[2], rounds[3]]
+        assert marked == ([2, 2] if asks else [0, 0]), marked  # the forward's round 1, then the backward's 2
+        model(x[:1]).sum().backward()  # one row, one shard: nobody to wait for
+        assert [rounds[2], rounds[3]] == marked
+        model(x).sum().backward()
+        assert [rounds[2], rounds[3]] == ([4, 4] if asks else [0, 0])
+    finally:
+        rounds.release()
+
+
+def test_unknown_reply_together_policy_is_a_clear_error_before_any_worker_starts(monkeypatch):
+    monkeypatch.setenv("DPOOL_REPLY_TOGETHER", "maybe")
+    with pytest.raises(dpool.DpoolValueError, match=r"DPOOL_REPLY_TOGETHER='maybe'.*auto, on, off"):
+        dpool.wrap(nn.Linear(4, 4), ["cpu", "cpu"])
+
+
 def test_unknown_worker_affinity_policy_is_a_clear_error_before_any_worker_starts(monkeypatch):
     monkeypatch.setenv("DPOOL_WORKER_AFFINITY", "numa")
     with pytest.raises(dpool.DpoolValueError, match=r"DPOOL_WORKER_AFFINITY='numa'.*auto, cores, none"):
