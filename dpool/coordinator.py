@@ -596,6 +596,7 @@ class Runtime:
         flags = bytes(p.requires_grad for p in self.params)  # the early backward's; checked again at backward
         if speculate:
             self._slot_gen += 1  # the workers write their slots in this round, whatever its outcome
+        together = pool.together(k)
         for s in range(k):
             placer = Placer()
             offs = [placer.reserve(t) for t in shards[s]]
@@ -605,7 +606,7 @@ class Runtime:
             self.io.keep(s, (state.call, "targets", id(seg), start), (seg, start, start + placer.offset))
             gin = self.io.ensure(s, "gin", state.gin_sizes[s]).ref() if speculate else [None, 0]
             msgs[s] = P.Criterion(state.call, crit._bytes, spec, metas, seg.ref(), seed, seed_dtype, gin, pool.step,
-                                  flags)
+                                  flags, together)
         replies = self._request(msgs, "computing the loss")
         pool.unlink_segments()
         self._raise_failures(replies, "criterion")

@@ -96,9 +96,9 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 9  # 9: forward_done and backward_done carry when the worker's handler started;
-# forward and backward may ask the shards to reply together
+# forward, backward and criterion may ask the shards to reply together
 # How long a worker that finished its shard first may wait for the round's other shards before it replies
-# (``together`` in Forward and Backward). A CPU pool whose workers fill every core asks for it: then the
+# (``together`` in Forward, Backward and Criterion). A CPU pool whose workers fill every core asks for it: then the
 # coordinator shares a core with a worker, and waking it for the first reply preempts the slower handler
 # there (a probe round: 0.19 ms in that handler against 0.08 in the other). Each worker writes the round's
 # number into its int64 slot at ``offset + 8 * shard`` of the control segment when its handler ends, and
@@ -440,7 +440,7 @@ class FetchSparseDone(Message):
 
 
 @_message("criterion", call=_INT, fn=_BYTES, tree=(object,), tensors=_METAS, inputs=_LIST, seed=_BYTES,
-          seed_dtype=_STR, input_grads=_LIST, step=_INT, requires_grad=_BYTES)
+          seed_dtype=_STR, input_grads=_LIST, step=_INT, requires_grad=_BYTES, together=_LIST)
 class Criterion(Message):
     """Apply a pickled loss module to the outputs ``call`` kept (``gather=False``) and this shard's targets.
 
@@ -449,7 +449,7 @@ class Criterion(Message):
     (gradients into the slot, input gradients into ``input_grads``): the coordinator sends it only when it
     can tell in advance the gradient ``loss.backward()`` will give each shard, and uses the result only
     if that gradient turns out to be bitwise this seed (see ``dpool.loss``), with ``requires_grad`` (as in
-    :class:`Backward`) unchanged by then.
+    :class:`Backward`) unchanged by then. ``together``: as :class:`Forward`'s.
     """
 
     call: int
@@ -462,6 +462,7 @@ class Criterion(Message):
     input_grads: SegRef
     step: int
     requires_grad: bytes
+    together: list
 
 
 @_message("criterion_done", call=_INT, index=_INT, value=(float,), denom=(float,), backward=_BOOL,

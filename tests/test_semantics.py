@@ -632,6 +632,15 @@ def test_workers_reply_together_where_the_coordinator_has_no_core_of_its_own(wra
         assert [rounds[2], rounds[3]] == ([4, 4] if asks else [0, 0])
     finally:
         rounds.release()
+    # the loss on the workers: the loss round (with the backward it runs) asks too
+    lossy = wrap(nn.Linear(4, 3), ["cpu", "cpu"], worker_threads=threads, gather=False)
+    dpool.criterion(nn.CrossEntropyLoss())(lossy(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+    assert lossy.stats()["backward_rounds_saved"] == 1
+    rounds = memoryview(lossy._runtime.pool.control.mmap).cast("q")
+    try:
+        assert [rounds[2], rounds[3]] == ([2, 2] if asks else [0, 0])  # the forward's round, then the loss's
+    finally:
+        rounds.release()
 
 
 def test_unknown_reply_together_policy_is_a_clear_error_before_any_worker_starts(monkeypatch):
