@@ -30,9 +30,10 @@ from .errors import DpoolError, DpoolValueError, WorkerDiedError, WorkerStartErr
 if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
-__all__ = ["worker_cpus", "reply_together", "REPLY_TOGETHER_POLICIES", "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
-           "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES", "WORKER_AFFINITY_POLICIES", "Worker", "Launcher", "Spawn",
-           "start_worker", "join_or_kill", "signal_name", "show_output"]
+__all__ = ["worker_cpus", "reply_together", "REPLY_TOGETHER_POLICIES", "worker_command", "worker_env",
+           "worker_package_dir", "visible_device", "client_device", "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES",
+           "WORKER_AFFINITY_POLICIES", "Worker", "Launcher", "Spawn", "start_worker", "join_or_kill", "signal_name",
+           "show_output"]
 
 _DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,7 +124,7 @@ def reply_together(devices: Sequence[str], threads: int) -> bool:
     whose threads fill exactly the cores this process may use (the default layout). Then a worker done
     first has an otherwise idle core to wait on, and the coordinator, woken once per round instead of
     once per reply, does not preempt the slower worker's handler on the core they share: a probe step
-    measured 1.53 → 1.23 ms (docs/performance.md). With a core to spare the coordinator wakes elsewhere,
+    measured 1.52 → 1.22 ms (docs/performance.md). With a core to spare the coordinator wakes elsewhere,
     and with more threads than cores a waiting worker would hold a core another one needs. ``on`` asks
     for any pool of CPU workers, ``off`` never. GPU workers never wait: their machines have cores to spare.
     """

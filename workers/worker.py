@@ -420,6 +420,9 @@ def _reply_together(rounds: Any, index: int, together: list, limit: float) -> No
     """
     rnd, shards, offset = together
     base = offset // 8
+    if not (isinstance(rnd, int) and isinstance(shards, int) and isinstance(offset, int)
+            and 0 <= base and index < shards and base + shards <= len(rounds)):
+        return  # not a round this segment can hold (a coordinator bug): reply at once
     rounds[base + index] = rnd
     if limit <= 0:
         return
