@@ -49,14 +49,16 @@ def _user_stacklevel() -> int:
     return level
 
 
+_ASK_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
 def _keeps_graph() -> bool:
     """Inside a backward: whether it was asked to keep the graph (``retain_graph``). ``True`` when torch
     cannot tell: then :meth:`Graphs.collect` asks the node itself whether its saved tensors are gone."""
-    ask = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    if ask is None:
+    if _ASK_KEEP_GRAPH is None:
         return True
     try:
-        return bool(ask())
+        return bool(_ASK_KEEP_GRAPH())
     except RuntimeError:  # not inside the engine's graph task (it always is, here)
         return True
 

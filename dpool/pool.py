@@ -140,6 +140,7 @@ class Pool:
         # number of the latest such round.
         self.reply_together = False
         self._together_round = 0
+        self._rounds_at = 8 * len(self.devices)  # byte offset of those round slots in the control segment
         self.workers = [Worker(i, d) for i, d in enumerate(self.devices)]
         self._by_ident: dict[bytes, int] = {}  # routing identity → worker index (checked against workers)
         self._ctx = zmq.Context()
@@ -159,7 +160,8 @@ class Pool:
             self._poller.register(self.chan.sock, zmq.POLLIN)
             # Heartbeat slots: one int64 (CLOCK_MONOTONIC ns) per worker, passed to workers by fd; then one
             # int64 per worker, the latest round it finished when asked to reply together (see together()).
-            self.control = self.new_segment(16 * max(1, len(self.devices)), min_size=4096, keep_fd=True)
+            self.control = self.new_segment(self._rounds_at + 8 * max(1, len(self.devices)), min_size=4096,
+                                            keep_fd=True)
             if self.launcher.spawns:
                 self.control.unlink()  # our own workers map it by inherited fd
             self.control.u8[: 8 * len(self.devices)].view(torch.int64).fill_(time.monotonic_ns())
@@ -328,7 +330,7 @@ class Pool:
         if not self.reply_together or k < 2:
             return []
         self._together_round += 1
-        return [self._together_round, k, 8 * len(self.devices)]
+        return [self._together_round, k, self._rounds_at]
 
     def check_usable(self) -> None:
         if os.getpid() != self.owner_pid:

@@ -97,14 +97,6 @@ __all__ = [
 
 PROTOCOL_VERSION = 9  # 9: forward_done and backward_done carry when the worker's handler started;
 # forward, backward and criterion may ask the shards to reply together
-# How long a worker that finished its shard first may wait for the round's other shards before it replies
-# (``together`` in Forward, Backward and Criterion). A CPU pool whose workers fill every core asks for it: then the
-# coordinator shares a core with a worker, and waking it for the first reply preempts the slower handler
-# there (a probe round: 0.19 ms in that handler against 0.08 in the other). Each worker writes the round's
-# number into its int64 slot at ``offset + 8 * shard`` of the control segment when its handler ends, and
-# one done first waits, on its own core, until shards ``0..shards-1`` all wrote it or this much time
-# passed. A dead or hung peer costs a round at most this.
-TOGETHER_WAIT_S = 300e-6
 # 8: criterion may carry a backward seed; criterion_done reports that backward;
 # backward and criterion carry the parameters' requires_grad flags of the moment
 # 7: keyed BLAKE2b MACs instead of HMAC-SHA256
@@ -115,6 +107,15 @@ TOGETHER_WAIT_S = 300e-6
 # 4: one op-naming scheme (the daemon's ops too; fetch answered by fetch_done); tensor metas validated
 MAC_SIZE = 32
 CONTEXT_LOST = " [CUDA context lost: the worker exits]"
+
+# How long a worker that finished its shard first may wait for the round's other shards before it replies
+# (``together`` in Forward, Backward and Criterion). A CPU pool whose workers fill every core asks for it: then the
+# coordinator shares a core with a worker, and waking it for the first reply preempts the slower handler
+# there (a probe round: 0.19 ms in that handler against 0.08 in the other). Each worker writes the round's
+# number into its int64 slot at ``offset + 8 * shard`` of the control segment when its handler ends, and
+# one done first waits, on its own core, until shards ``0..shards-1`` all wrote it or this much time
+# passed. A dead or hung peer costs a round at most this.
+TOGETHER_WAIT_S = 300e-6
 
 # A region reference (see dpool.transport): [name, size] in shared memory, [name, size, export] on a GPU.
 SegRef = list
