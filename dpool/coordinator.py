@@ -44,7 +44,7 @@ from .cpus import physical_cores
 from .crossnode import FORWARD, CrossNode, CrossNodeReducer
 from .errors import DpoolValueError, UnsupportedError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
-from .launch import reply_together
+from .launch import reply_together, wait_spin
 from .layout import Layout
 from .loss import ShardedOutput, build_output, combine, predict_seed
 from .peers import arm_exit_guard
@@ -139,8 +139,10 @@ class Runtime:
         # together (see dpool.protocol.TOGETHER_WAIT_S); never in cross-node mode, whose buckets leave while
         # the workers still run. (Read before the pool exists: a bad DPOOL_REPLY_TOGETHER leaves nothing.)
         together = nodes is None and reply_together(self.devices, worker_threads)
+        spin = wait_spin(self.devices)
         self.pool = Pool(devices, config, worker_threads, attach=attach)
         self.pool.reply_together = together
+        self.pool.spin_s = spin
         if nodes is not None:  # SyncBatchNorm's statistics span every worker of every node
             self.pool.hub.across = functools.partial(nodes.all_reduce, doing="combining SyncBatchNorm statistics")
         self.io = IORegions(self.n, lambda w, size: self.pool.new_segment(size, device=self.devices[w], owner=w))

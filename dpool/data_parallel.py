@@ -264,13 +264,15 @@ class DataParallel(nn.DataParallel):
             already ran) and
             ``bytes_per_step`` (``inputs``, ``outputs``, ``output_grads`` and ``param_grads`` moved
             through shared memory in the latest step), ``backward_rounds_saved`` (backwards of a
-            :class:`dpool.criterion`'s loss that the workers had already run in the loss round).
+            :class:`dpool.criterion`'s loss that the workers had already run in the loss round),
+            ``rounds_spun`` (rounds so far whose replies the coordinator caught while it spun instead of
+            sleeping: short rounds, see ``DPOOL_WAIT_SPIN_US`` in the README).
         """
         rt = self._runtime
         if rt is None:
             raise PoolBrokenError("this dpool model is closed")
         held = rt.inspect() if inspect else None
-        return rt.stats.snapshot([w.pid for w in rt.pool.workers], self.device_ids, held)
+        return rt.stats.snapshot([w.pid for w in rt.pool.workers], self.device_ids, held, rt.pool.rounds_spun)
 
     @property
     def rank(self) -> int:

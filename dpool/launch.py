@@ -30,7 +30,7 @@ from .errors import DpoolError, DpoolValueError, WorkerDiedError, WorkerStartErr
 if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
-__all__ = ["worker_cpus", "reply_together", "REPLY_TOGETHER_POLICIES", "worker_command", "worker_env",
+__all__ = ["worker_cpus", "reply_together", "REPLY_TOGETHER_POLICIES", "wait_spin", "WAIT_SPIN_US_DEFAULT", "worker_command", "worker_env",
            "worker_package_dir", "visible_device", "client_device", "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES",
            "WORKER_AFFINITY_POLICIES", "Worker", "Launcher", "Spawn", "start_worker", "join_or_kill", "signal_name",
            "show_output"]
@@ -135,6 +135,29 @@ def reply_together(devices: Sequence[str], threads: int) -> bool:
     if policy == "off" or len(devices) < 2 or not all(d.startswith("cpu") for d in devices):
         return False
     return policy == "on" or len(devices) * threads == len(allowed_cores())
+
+
+WAIT_SPIN_US_DEFAULT = 300
+
+
+def wait_spin(devices: Sequence[str]) -> float:
+    """How long (seconds) past a short round's previous time the coordinator spins before it sleeps in
+    the poll, per ``DPOOL_WAIT_SPIN_US`` (see NOTE [ spinning through short rounds ] in :mod:`dpool.pool`).
+
+    Unset: 300 µs for a pool of CPU workers, 0 (never spin) for GPU workers, where it has not been
+    measured yet. A number of microseconds applies to either; ``0`` turns spinning off.
+    """
+    raw = os.environ.get("DPOOL_WAIT_SPIN_US", "")
+    if not raw:
+        return WAIT_SPIN_US_DEFAULT * 1e-6 if all(d.startswith("cpu") for d in devices) else 0.0
+    try:
+        us = float(raw)
+    except ValueError:
+        us = -1.0
+    if not 0 <= us <= 1e6:
+        raise DpoolValueError(f"DPOOL_WAIT_SPIN_US={raw!r} is not a number of microseconds from 0 to 1000000 "
+                              f"(0 turns spinning off; unset it for the default, {WAIT_SPIN_US_DEFAULT} on CPU)")
+    return us * 1e-6
 
 
 def worker_env(threads: int, workers: int) -> dict[str, str]:

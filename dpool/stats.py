@@ -69,7 +69,7 @@ class Stats:
                 times[i] = 0.0
 
     def snapshot(self, pids: list[int], devices: list[str],
-                 held: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+                 held: list[tuple[int, int]] | None = None, rounds_spun: int = 0) -> dict[str, Any]:
         workers = []
         for i in range(self.n):
             w = {"index": i, "device": devices[i], "pid": pids[i], "forward_ms": round(self.forward_ms[i], 3),
@@ -82,4 +82,4 @@ class Stats:
             workers.append(w)
         return {"steps": self.steps, "restarts": self.restarts, "shard_rows": list(self.rows), "workers": workers,
                 "bytes_per_step": dict(self.bytes), "backward_rounds_saved": self.backward_rounds_saved,
-                "round_ms": {kind: round(ms, 3) for kind, ms in self.round_ms.items()}}
+                "round_ms": {kind: round(ms, 3) for kind, ms in self.round_ms.items()}, "rounds_spun": rounds_spun}

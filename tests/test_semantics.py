@@ -643,6 +643,60 @@ def test_workers_reply_together_where_the_coordinator_has_no_core_of_its_own(wra
         rounds.release()
 
 
+@pytest.mark.parametrize("spin_us", [None, "0", "1000000"])
+def test_the_coordinator_spins_through_short_rounds_and_still_sees_a_worker_die(wrap, monkeypatch, spin_us):
+    """A round whose stage took at most 1 ms last time (or has no time yet) is waited for by polling and
+    yielding instead of sleeping (NOTE [ spinning through short rounds ] in dpool.pool): 300 µs past the
+    previous round's time by default on CPU, ``DPOOL_WAIT_SPIN_US`` otherwise, ``0`` never. The numbers are a
+    single process's either way, and a worker that dies while the coordinator spins is reported as one that
+    dies while it sleeps."""
+    if spin_us is not None:
+        monkeypatch.setenv("DPOOL_WAIT_SPIN_US", spin_us)
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu", "cpu"])
+    assert model._runtime.pool.spin_s == (300e-6 if spin_us is None else float(spin_us) * 1e-6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(6, 12, dtype=torch.float64)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp)
+    spun = model.stats()["rounds_spun"]
+    if spin_us == "0":
+        assert spun == 0
+    elif spin_us == "1000000":
+        assert spun >= 1  # at least the first forward's: no time yet, and a 1 s spin outlasts the round
+
+    class DiesOnItsThirdForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 3:  # only the workers run this module's forward
+                os._exit(5)
+            return self.lin(x)
+
+    dying = wrap(DiesOnItsThirdForward(), ["cpu", "cpu"])
+    for _ in range(2):
+        dying(torch.randn(4, 4)).sum().backward()
+    with pytest.raises(dpool.WorkerDiedError, match="exited with code 5"):
+        dying(torch.randn(4, 4))
+
+
+def test_unknown_wait_spin_is_a_clear_error_before_any_worker_starts(monkeypatch):
+    monkeypatch.setenv("DPOOL_WAIT_SPIN_US", "fast")
+    with pytest.raises(dpool.DpoolValueError, match=r"DPOOL_WAIT_SPIN_US='fast'.*microseconds"):
+        dpool.wrap(nn.Linear(4, 4), ["cpu", "cpu"])
+
+
 def test_unknown_reply_together_policy_is_a_clear_error_before_any_worker_starts(monkeypatch):
     monkeypatch.setenv("DPOOL_REPLY_TOGETHER", "maybe")
     with pytest.raises(dpool.DpoolValueError, match=r"DPOOL_REPLY_TOGETHER='maybe'.*auto, on, off"):
