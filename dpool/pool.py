@@ -69,9 +69,9 @@ step took 9 and 37 µs when run straight on, 24 and 78 µs after a 0.3 ms sleep,
 ``sched_yield`` between polls, until the previous round's time plus ``spin_s`` has passed; then it
 sleeps in the poll as before. Yielding hands the core to any thread that can run there (a
 worker's, on a machine without a core to spare), so the spin takes only time nobody else wants.
-Probe step (2 workers): 1.29 → 1.22 ms; one worker: 0.99 → 0.76 ms (docs/performance.md). Longer
-rounds (the mlp's are 4-7 ms) never spin: there the last part of a round still competed with the
-workers (mlp 8.6 → 8.8 ms when they did). ``spin_s`` comes from ``DPOOL_WAIT_SPIN_US`` (see
+Probe step (2 workers): 1.29 → 1.21 ms; one worker: 0.99 → 0.76 ms (docs/performance.md). Longer
+rounds (the mlp's take 2.5 and 3.9 ms there) never spin: spinning through their last part competed
+with the workers (mlp 8.6 → 8.8 ms). ``spin_s`` comes from ``DPOOL_WAIT_SPIN_US`` (see
 :func:`dpool.launch.wait_spin`); the deadlines, exit sentinels and heartbeats are checked as before,
 since a spin ends by itself within ``SPIN_ROUNDS_UP_TO_S + spin_s``.
 
