@@ -35,6 +35,7 @@ Results go to --out as JSON and a PNG chart; the Markdown table is printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -42,7 +43,7 @@ import shutil
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -431,6 +432,20 @@ def _zmq_rounds(peers: int, rounds: int) -> float:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """Set environment variable ``name`` to ``value`` for the block, then put back what was there."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def per_worker(counts: list[int], steps: int, repeats: int) -> str:
     """The coordinator's CPU time per probe step at each worker count, beside bare ZeroMQ's share of it.
 
@@ -445,34 +460,28 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
     w = WORKLOADS["probe"]
     g = torch.Generator().manual_seed(0)
     data = [w.batch(w.global_batch, g) for _ in range(4)]
+
+    def coordinator_cpu(n: int) -> tuple[float, float]:
+        """Median coordinator CPU and wall time per probe step with ``n`` workers."""
+        torch.manual_seed(0)
+        model = dpool.wrap(w.make(), ["cpu"] * n, worker_threads=1)
+        opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
+        _steps(model, opt, w.loss, data, 20)
+        cpu, wall = [], []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            wall.append(_steps(model, opt, w.loss, data, steps) / steps)
+            cpu.append((time.process_time() - c0) / steps)
+        model.close()
+        return statistics.median(cpu), statistics.median(wall)
+
     rows = []
-    saved = os.environ.get("DPOOL_WAIT_SPIN_US")
-    try:
-        for n in counts:
-            row: list[float] = []
-            for spin in (saved, "0"):
-                if spin is None:
-                    os.environ.pop("DPOOL_WAIT_SPIN_US", None)
-                else:
-                    os.environ["DPOOL_WAIT_SPIN_US"] = spin
-                torch.manual_seed(0)
-                model = dpool.wrap(w.make(), ["cpu"] * n, worker_threads=1)
-                opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
-                _steps(model, opt, w.loss, data, 20)
-                cpu, wall = [], []
-                for _ in range(repeats):
-                    c0 = time.process_time()
-                    wall.append(_steps(model, opt, w.loss, data, steps) / steps)
-                    cpu.append((time.process_time() - c0) / steps)
-                model.close()
-                row += [statistics.median(cpu), statistics.median(wall)]
-            bare = statistics.median(_zmq_rounds(n, steps) for _ in range(repeats))
-            rows.append((n, row[0], row[1], row[2], bare))
-    finally:
-        if saved is None:
-            os.environ.pop("DPOOL_WAIT_SPIN_US", None)
-        else:
-            os.environ["DPOOL_WAIT_SPIN_US"] = saved
+    for n in counts:
+        cpu, wall = coordinator_cpu(n)
+        with _env("DPOOL_WAIT_SPIN_US", "0"):
+            no_spin, _ = coordinator_cpu(n)
+        bare = statistics.median(_zmq_rounds(n, steps) for _ in range(repeats))
+        rows.append((n, cpu, wall, no_spin, bare))
     lines = ["| workers | coordinator CPU ms/step | wall ms/step | CPU ms/step, DPOOL_WAIT_SPIN_US=0 "
              "| bare ZeroMQ, 2 rounds: CPU ms |", "|---|---|---|---|---|"]
     lines += [f"| {n} | {c * 1e3:.3f} | {t * 1e3:.3f} | {q * 1e3:.3f} | {b * 1e3:.3f} |" for n, c, t, q, b in rows]

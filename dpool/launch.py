@@ -116,6 +116,10 @@ def worker_cpus(index: int, threads: int, workers: int, device: str) -> list[int
 REPLY_TOGETHER_POLICIES = ("auto", "on", "off")
 
 
+def _cpu_pool(devices: Sequence[str]) -> bool:
+    return all(d.startswith("cpu") for d in devices)
+
+
 def reply_together(devices: Sequence[str], threads: int) -> bool:
     """Whether a pool's rounds ask its workers to reply together, per ``DPOOL_REPLY_TOGETHER``
     (see :data:`dpool.protocol.TOGETHER_WAIT_S`).
@@ -132,7 +136,7 @@ def reply_together(devices: Sequence[str], threads: int) -> bool:
     if policy not in REPLY_TOGETHER_POLICIES:
         raise DpoolValueError(f"DPOOL_REPLY_TOGETHER={policy!r} is not a policy; use one of "
                               f"{', '.join(REPLY_TOGETHER_POLICIES)} (unset it for the default, auto)")
-    if policy == "off" or len(devices) < 2 or not all(d.startswith("cpu") for d in devices):
+    if policy == "off" or len(devices) < 2 or not _cpu_pool(devices):
         return False
     return policy == "on" or len(devices) * threads == len(allowed_cores())
 
@@ -149,7 +153,7 @@ def wait_spin(devices: Sequence[str]) -> float:
     """
     raw = os.environ.get("DPOOL_WAIT_SPIN_US", "")
     if not raw:
-        return WAIT_SPIN_US_DEFAULT * 1e-6 if all(d.startswith("cpu") for d in devices) else 0.0
+        return WAIT_SPIN_US_DEFAULT * 1e-6 if _cpu_pool(devices) else 0.0
     try:
         us = float(raw)
     except ValueError:

@@ -546,7 +546,7 @@ class Pool:
                             "killed.",
                             worker=idx, device=w.device, pid=w.pid, step=self.step,
                         )
-        if spin_to and spun:
+        if spun:  # only a spin sets it
             self.rounds_spun += 1
         if replies and not loading:
             self._took[stage] = max(self.arrived[i] for i in replies) - self.sent_at
