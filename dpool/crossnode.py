@@ -333,13 +333,14 @@ class CrossNodeReducer(Reducer):
         self._slots = slots
         self._header = nodes.start_header(BACKWARD, at)
         self._header_checked = False
-        # new memory every step: the master's gradients are views of it. The last group's starts with the
-        # trailer's room: the last bucket to leave carries this rank's late flag and "used" mask with it
+        # memory nobody holds (the master's gradients are views of it: dpool.reduce.Totals). The last
+        # group's starts with the trailer's room: the last bucket to leave carries this rank's late flag
+        # and "used" mask with it
         self._totals = []
         for gi, g in enumerate(self.groups):
             numel = (self.layout.param_groups[g][2] - self.layout.param_groups[g][1]) // slots[0][g].element_size()
             pre = self._pre if gi == len(self.groups) - 1 else 0
-            self._totals.append(torch.empty(pre + numel, dtype=slots[0][g].dtype, device=self.device)[pre:])
+            self._totals.append(self.totals.take(g, numel, slots[0][g].dtype, self.device, pre))
         self._works = []
         self._next = 0
         if not self.overlap:

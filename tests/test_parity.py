@@ -144,6 +144,45 @@ def test_large_gradients_summed_in_chunks_on_helper_threads_match_reference(wrap
     assert not _reduce_helpers()
 
 
+@pytest.mark.parametrize("pattern", ["set_to_none", "accumulate", "kept"])
+def test_the_summed_gradients_reuse_only_memory_nobody_holds(wrap, pattern):
+    """The gradients' memory is reused from step to step only once nothing holds it: with
+    ``zero_grad()`` every step gets the same memory; with ``zero_grad(set_to_none=False)`` the gradients
+    accumulate into the first step's as in one process; gradients the user kept are never overwritten.
+    Each against the reference after momentum steps."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    kept, where = [], set()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(9, 5, dtype=torch.float64, generator=g)
+        model(x).pow(2).mean().backward()
+        per_shard(ref, (x.clone(),), {}, 2, 9).pow(2).mean().backward()
+        where.add(net[0].weight.grad.data_ptr())
+        for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"grad of {n}: {m}")
+        if pattern == "kept":
+            kept.append([(p.grad, p.grad.clone()) for p in net.parameters()])
+        opt.step()
+        ropt.step()
+        opt.zero_grad(set_to_none=pattern != "accumulate")
+        ropt.zero_grad(set_to_none=pattern != "accumulate")
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp)
+    for step in kept:
+        for grad, then in step:
+            assert torch.equal(grad, then), "a gradient the user kept was overwritten by a later step"
+    # .grad stays the first step's tensor when accumulating, and the kept ones stay distinct
+    assert len(where) == (5 if pattern == "kept" else 1), where
+    # the memory the sums were written to: set_to_none, one buffer for every step; accumulate, a second
+    # one (the first is .grad); kept, new memory each step
+    assert model._runtime.reducer.totals.made == {"set_to_none": 1, "accumulate": 2, "kept": 5}[pattern]
+
+
 @pytest.mark.parametrize("name", ["mlp", "lstm", "dict"])
 def test_equals_full_batch_single_process(wrap, name):
     """Without batch-coupled layers, dpool equals the plain full-batch single-process run."""
