@@ -44,11 +44,13 @@ class Totals:
     gradient over when ``.grad`` is ``None``), so a step's totals belong to the user until
     ``zero_grad()`` or the user lets go of them. A buffer is handed out again only when this object
     holds the only reference to its storage; otherwise new memory is made, and kept for later steps
-    while fewer than :attr:`keep` buffers of that key are. New memory every step cost the coordinator
-    a page fault per 4 KiB of gradients whenever glibc had given the previous step's block back to the
-    kernel (about 300 per step on the benchmark's 2 MiB mlp).
+    while fewer than :attr:`keep` buffers of that key are (so at most ``keep`` idle buffers per group stay
+    allocated between steps). New memory every step cost the coordinator a page fault per 4 KiB of
+    gradients whenever glibc had given the previous step's block back to the kernel (300–400 per step
+    on the benchmark's 2 MiB mlp).
 
-    Only on the CPU: CUDA's caching allocator already reuses blocks, and knows about streams.
+    Buffers are kept on the CPU only: on a GPU every take is new memory, as before, since CUDA's caching
+    allocator already reuses blocks and knows which streams still use them.
     """
 
     def __init__(self, keep: int = 2) -> None:
