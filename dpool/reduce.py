@@ -63,7 +63,7 @@ class Totals:
         """A 1-D buffer of ``numel`` elements nobody else holds, with ``pre`` elements of room in front
         of it in the same storage (a cross-node trailer)."""
         full = (key, numel, dtype, device, pre)
-        held = self._held.setdefault(full, [])
+        held = self._held.get(full, ())
         count = _storage_use_count
         if count is not None:
             for t, idle in held:
@@ -72,7 +72,7 @@ class Totals:
         t = torch.empty(pre + numel, dtype=dtype, device=device)[pre:]
         self.made += 1
         if count is not None and device.type == "cpu" and len(held) < self.keep:
-            held.append((t, count(t.untyped_storage()._cdata)))
+            self._held.setdefault(full, []).append((t, count(t.untyped_storage()._cdata)))
         return t
 
     def clear(self) -> None:
