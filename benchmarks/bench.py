@@ -29,13 +29,15 @@ Setups, on N = --workers:
   nodes    dpool's cross-node mode: N coordinators on loopback gloo (one "node" each),
            one worker per node, global batch / N each: the same process count as `ddp`
            (not in the default set: `--setups nodes,ddp,dpool` compares the three)
+  nodes-serial  the same with the buckets exchanged after the backward instead of during it
+           (DPOOL_CROSS_NODE_OVERLAP=0): beside `nodes`, the table reports how much of the
+           exchange the overlap hid behind the backward (`--setups nodes,nodes-serial,ddp`)
 
 Results go to --out as JSON and a PNG chart; the Markdown table is printed.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -43,7 +45,7 @@ import shutil
 import statistics
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -107,7 +109,8 @@ class Local:
 
 
 def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str = "ddp") -> None:
-    """One rank of ``ddp``, one independent trainer of ``ceiling``, or one dpool node of ``nodes``."""
+    """One rank of ``ddp``, one independent trainer of ``ceiling``, or one dpool node of ``nodes`` (``nodes-serial``:
+    without overlap)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -117,11 +120,13 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     w = WORKLOADS[wname]
     torch.manual_seed(0)
-    if mode == "nodes":
+    nodes = mode.startswith("nodes")
+    if nodes:
         import dpool
 
         # what torchrun --standalone --nproc-per-node=N gives each rank: dpool sizes and binds its workers by them
         os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)
+        os.environ["DPOOL_CROSS_NODE_OVERLAP"] = "0" if mode == "nodes-serial" else "1"
         model = dpool.wrap(w.make(), ["cpu"], worker_threads=max(1, CORES // world))
     else:
         model = DDP(w.make()) if ddp else w.make()
@@ -134,12 +139,15 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
             break
         if ddp:
             dist.barrier()
-        waited = model._nodes.waited_s if mode == "nodes" else 0.0
+        waited = model._nodes.waited_s if nodes else 0.0
+        reducer = model._runtime.reducer if nodes else None
+        early = reducer.early if reducer is not None else 0
         elapsed = _steps(model, opt, w.loss, data, steps)
         if ddp:
             dist.barrier()
-        conn.send((elapsed, (model._nodes.waited_s - waited) if mode == "nodes" else 0.0))
-    if mode == "nodes":
+        conn.send((elapsed, (model._nodes.waited_s - waited) if nodes else 0.0,
+                   (reducer.early - early, len(reducer.plan)) if reducer is not None else (0, 0)))
+    if nodes:
         model.close()
     if ddp:
         dist.destroy_process_group()
@@ -147,7 +155,7 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
 
 class DDPRunner:
     """``ddp``: N gloo ranks. ``ceiling``: the same N processes, with no process group and no all-reduce.
-    ``nodes``: N dpool coordinators in cross-node mode, one worker each."""
+    ``nodes``: N dpool coordinators in cross-node mode, one worker each (``nodes-serial``: without overlap)."""
 
     def __init__(self, w: Workload, workers: int, mode: str = "ddp") -> None:
         import socket
@@ -165,12 +173,14 @@ class DDPRunner:
             self.procs.append(p)
         self.samples = w.global_batch
         self.waited: list[float] = []  # nodes: seconds per repeat rank 0 spent waiting in cross-node collectives
+        self.buckets = (0, 0)  # nodes: buckets rank 0 launched during the backward in the last repeat, buckets per step
 
     def run(self, steps: int) -> float:
         for c in self.conns:
             c.send(steps)
         replies = [c.recv() for c in self.conns]
         self.waited.append(replies[0][1])
+        self.buckets = replies[0][2]
         return max(r[0] for r in replies)
 
     def close(self) -> None:
@@ -184,7 +194,7 @@ class DDPRunner:
 
 
 def make_runner(setup: str, w: Workload, workers: int) -> Any:
-    if setup in ("ddp", "ceiling", "nodes"):
+    if setup in ("ddp", "ceiling", "nodes", "nodes-serial"):
         return DDPRunner(w, workers, mode=setup)
     return Local(setup, w, workers)
 
@@ -210,6 +220,8 @@ def bench(workloads: list[str], setups: list[str], workers: int, steps: int, war
                 for s in setups:  # interleaved: A B C A B C ...
                     times[s].append(runners[s].run(steps))
             waited = runners["nodes"].waited[-repeats:] if "nodes" in runners else None
+            serial = runners["nodes-serial"].waited[-repeats:] if "nodes-serial" in runners else None
+            buckets = runners["nodes"].buckets if "nodes" in runners else (0, 0)
         finally:
             for r in runners.values():
                 r.close()
@@ -238,8 +250,14 @@ def bench(workloads: list[str], setups: list[str], workers: int, steps: int, war
                 )
         if waited is not None:  # the cross-node time the step could not hide (rank 0)
             entry["nodes_exposed_collective_ms_per_step"] = 1000 * statistics.median(waited) / steps
+            entry["nodes_buckets_per_step"] = buckets[1]
+            entry["nodes_buckets_during_backward_per_step"] = buckets[0] / steps
             if "ddp" in med:
                 entry["ratios"] = {**entry.get("ratios", {}), "nodes/ddp": med["nodes"] / med["ddp"]}
+            if serial is not None:  # the overlap: what exchanging during the backward hid (same run, interleaved)
+                exposed = 1000 * statistics.median(serial) / steps
+                entry["nodes_serial_exposed_collective_ms_per_step"] = exposed
+                entry["nodes_hidden_collective_ms_per_step"] = exposed - entry["nodes_exposed_collective_ms_per_step"]
         results["workloads"][wname] = entry
     return results
 
@@ -258,6 +276,11 @@ def table(results: dict) -> str:
         if "nodes/ddp" in e.get("ratios", {}):  # cross-node mode against DDP at the same process count
             ratios += (f"; nodes/ddp {e['ratios']['nodes/ddp']:.2f}×, nodes' exposed cross-node time "
                        f"{e['nodes_exposed_collective_ms_per_step']:.2f} ms/step")
+            if "nodes_hidden_collective_ms_per_step" in e:
+                ratios += (f" ({e['nodes_serial_exposed_collective_ms_per_step']:.2f} without overlap: "
+                           f"{e['nodes_hidden_collective_ms_per_step']:.2f} ms/step hidden behind the backward)")
+            ratios += (f"; buckets per step {e['nodes_buckets_per_step']}, "
+                       f"{e['nodes_buckets_during_backward_per_step']:.1f} of them exchanged during the backward")
         if "framework_ms_per_step" in e:
             fw = e["framework_ms_per_step"]
             # dpool − ideal below zero is noise or a workload where dpool beats one shard alone (its
@@ -376,6 +399,9 @@ def attach_demo(repeats: int) -> str:
                       *rows, f"| **attached speed-up** | **{emb / att:.1f}×** |"])
 
 
+_FRAME = 150  # bytes of a bare round's message: a forward request's size
+
+
 def _zmq_echo(endpoint: str) -> None:
     """A bare ZeroMQ peer for per_worker(): answers every frame with itself, until b"bye"."""
     import zmq
@@ -390,105 +416,166 @@ def _zmq_echo(endpoint: str) -> None:
     ctx.term()
 
 
-def _zmq_rounds(peers: int, rounds: int) -> float:
-    """The coordinator's CPU seconds per two bare ZeroMQ round trips (one ROUTER, ``peers`` DEALERs, 150-byte frames)."""
-    import tempfile
-
-    import zmq
-
-    tmp = tempfile.mkdtemp(prefix="dpool-bench-")
-    endpoint = f"ipc://{tmp}/s"
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.bind(endpoint)
-    procs = [mp.get_context("spawn").Process(target=_zmq_echo, args=(endpoint,)) for _ in range(peers)]
-    for p in procs:
-        p.start()
-    try:
-        idents = [router.recv_multipart()[0] for _ in range(peers)]
-        more, frame = int(zmq.SNDMORE), b"x" * 150
-
-        def one_round() -> None:
-            for ident in idents:
-                router.send(ident, more)
-                router.send(frame)
-            for _ in idents:
-                router.recv_multipart()
-
-        for _ in range(50):
-            one_round()
-        c0 = time.process_time()
-        for _ in range(rounds):
-            one_round()
-            one_round()
-        return (time.process_time() - c0) / rounds
-    finally:
-        for ident in idents:
-            router.send_multipart([ident, b"bye"])
-        for p in procs:
-            p.join(10)
-        router.close(0)
-        ctx.term()
-        shutil.rmtree(tmp, ignore_errors=True)
+def _unix_echo(sock: Any) -> None:
+    """A bare AF_UNIX peer for per_worker(): answers every datagram with itself, until b"bye"."""
+    while (frame := sock.recv(4096)) != b"bye":
+        sock.send(frame)
+    sock.close()
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    """Set environment variable ``name`` to ``value`` for the block, then put back what was there."""
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
+class _Bare:
+    """Two bare round trips per "step" to ``peers`` Python processes: what a transport alone costs the
+    coordinator. ``"zmq"``: one ROUTER and ``peers`` DEALERs on ``ipc://``, as dpool's control channel;
+    ``"unix"``: one ``AF_UNIX`` ``SOCK_SEQPACKET`` pair per peer, read through ``epoll``, with no I/O thread."""
+
+    def __init__(self, kind: str, peers: int) -> None:
+        import select
+        import socket
+        import tempfile
+
+        self.kind, self.frame = kind, b"x" * _FRAME
+        ctx = mp.get_context("spawn")
+        self.tmp = tempfile.mkdtemp(prefix="dpool-bench-")
+        if kind == "zmq":
+            import zmq
+
+            endpoint = f"ipc://{self.tmp}/s"
+            self.ctx = zmq.Context()
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.bind(endpoint)
+            self.procs = [ctx.Process(target=_zmq_echo, args=(endpoint,)) for _ in range(peers)]
+            for p in self.procs:
+                p.start()
+            self.idents = [self.router.recv_multipart()[0] for _ in range(peers)]
         else:
-            os.environ[name] = saved
+            pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(peers)]
+            self.procs = [ctx.Process(target=_unix_echo, args=(theirs,)) for _, theirs in pairs]
+            for p in self.procs:
+                p.start()
+            for _, theirs in pairs:
+                theirs.close()
+            self.socks = [mine for mine, _ in pairs]
+            self.by_fd = {s.fileno(): s for s in self.socks}
+            self.epoll = select.epoll()
+            for s in self.socks:
+                self.epoll.register(s.fileno(), select.EPOLLIN)
+
+    def _round(self) -> None:
+        if self.kind == "zmq":
+            more = 2  # zmq.SNDMORE
+            for ident in self.idents:
+                self.router.send(ident, more)
+                self.router.send(self.frame)
+            for _ in self.idents:
+                self.router.recv_multipart()
+            return
+        for s in self.socks:
+            s.send(self.frame)
+        left = len(self.socks)
+        while left:
+            for fd, _ in self.epoll.poll():
+                self.by_fd[fd].recv(4096)
+                left -= 1
+
+    def cpu_per_step(self, steps: int) -> float:
+        """The coordinator's CPU seconds (all its threads) per two round trips."""
+        for _ in range(min(50, steps)):
+            self._round()
+        c0 = time.process_time()
+        for _ in range(steps):
+            self._round()
+            self._round()
+        return (time.process_time() - c0) / steps
+
+    def close(self) -> None:
+        if self.kind == "zmq":
+            for ident in self.idents:
+                self.router.send_multipart([ident, b"bye"])
+        else:
+            for s in self.socks:
+                s.send(b"bye")
+        for p in self.procs:
+            p.join(10)
+        if self.kind == "zmq":
+            self.router.close(0)
+            self.ctx.term()
+        else:
+            self.epoll.close()
+            for s in self.socks:
+                s.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _spread(values: list[float]) -> str:
+    """Median (min–max) of per-repeat values in ms."""
+    return f"{statistics.median(values) * 1e3:.3f} ({min(values) * 1e3:.3f}–{max(values) * 1e3:.3f})"
 
 
 def per_worker(counts: list[int], steps: int, repeats: int) -> str:
-    """The coordinator's CPU time per probe step at each worker count, beside bare ZeroMQ's share of it.
+    """The coordinator's CPU time per probe step at each worker count, beside bare transports' share of it.
 
-    CPU time, not wall time: 8 workers oversubscribe 2 cores, and the question is what each added
-    worker costs the coordinator. The bare column is two ZeroMQ round trips to as many Python peers
-    (what a step's forward and backward rounds cost before any of dpool's own work). The CPU time is
-    measured twice: with dpool's defaults, and with ``DPOOL_WAIT_SPIN_US=0``, since the time the
-    coordinator spins through short rounds (dpool.pool) counts as CPU time without being work per worker.
+    CPU time (every thread of the coordinator's process), not wall time: 8 workers oversubscribe 2
+    cores, and the question is what each added worker costs the coordinator. Every pool is built once
+    and the repeats are interleaved (each repeat measures every count in turn), so that the machine's
+    drift hits every count alike; the cost per added worker is taken within each repeat, and its median
+    and spread over the repeats are printed. The CPU time is measured twice on the same pool: with
+    dpool's defaults, and with the spin through short rounds off (``DPOOL_WAIT_SPIN_US=0``), since the
+    time the coordinator spins (dpool.pool) counts as CPU time without being work per worker. The bare
+    columns are two round trips to as many Python peers that answer at once: over ZeroMQ as dpool's
+    control channel uses it, and over plain ``AF_UNIX`` sockets, which have no I/O thread.
     """
     import dpool
 
     w = WORKLOADS["probe"]
     g = torch.Generator().manual_seed(0)
     data = [w.batch(w.global_batch, g) for _ in range(4)]
-
-    def coordinator_cpu(n: int) -> tuple[float, float]:
-        """Median coordinator CPU and wall time per probe step with ``n`` workers."""
+    pools = {}
+    for n in counts:
         torch.manual_seed(0)
         model = dpool.wrap(w.make(), ["cpu"] * n, worker_threads=1)
         opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
         _steps(model, opt, w.loss, data, 20)
-        cpu, wall = [], []
+        pools[n] = (model, opt)
+    cpu: dict[tuple[int, bool], list[float]] = {(n, s): [] for n in counts for s in (True, False)}
+    wall: dict[int, list[float]] = {n: [] for n in counts}
+    bare: dict[tuple[int, str], list[float]] = {(n, k): [] for n in counts for k in ("zmq", "unix")}
+    try:
         for _ in range(repeats):
-            c0 = time.process_time()
-            wall.append(_steps(model, opt, w.loss, data, steps) / steps)
-            cpu.append((time.process_time() - c0) / steps)
-        model.close()
-        return statistics.median(cpu), statistics.median(wall)
-
-    rows = []
-    for n in counts:
-        cpu, wall = coordinator_cpu(n)
-        with _env("DPOOL_WAIT_SPIN_US", "0"):
-            no_spin, _ = coordinator_cpu(n)
-        bare = statistics.median(_zmq_rounds(n, steps) for _ in range(repeats))
-        rows.append((n, cpu, wall, no_spin, bare))
+            for n in counts:
+                model, opt = pools[n]
+                pool = model._runtime.pool  # type: ignore[union-attr]
+                spin = pool.spin_s
+                for spinning in (True, False):
+                    pool.spin_s = spin if spinning else 0.0
+                    c0 = time.process_time()
+                    took = _steps(model, opt, w.loss, data, steps)
+                    cpu[n, spinning].append((time.process_time() - c0) / steps)
+                    if spinning:
+                        wall[n].append(took / steps)
+                pool.spin_s = spin
+                for kind in ("zmq", "unix"):
+                    b = _Bare(kind, n)
+                    try:
+                        bare[n, kind].append(b.cpu_per_step(steps))
+                    finally:
+                        b.close()
+    finally:
+        for model, _ in pools.values():
+            model.close()
+    med = statistics.median
     lines = ["| workers | coordinator CPU ms/step | wall ms/step | CPU ms/step, DPOOL_WAIT_SPIN_US=0 "
-             "| bare ZeroMQ, 2 rounds: CPU ms |", "|---|---|---|---|---|"]
-    lines += [f"| {n} | {c * 1e3:.3f} | {t * 1e3:.3f} | {q * 1e3:.3f} | {b * 1e3:.3f} |" for n, c, t, q, b in rows]
-    (n0, c0, _, q0, b0), (n1, c1, _, q1, b1) = rows[0], rows[-1]
+             "| bare ZeroMQ, 2 rounds: CPU ms | bare AF_UNIX, 2 rounds: CPU ms |", "|---|---|---|---|---|---|"]
+    lines += [f"| {n} | {med(cpu[n, True]) * 1e3:.3f} | {med(wall[n]) * 1e3:.3f} | {med(cpu[n, False]) * 1e3:.3f} "
+              f"| {med(bare[n, 'zmq']) * 1e3:.3f} | {med(bare[n, 'unix']) * 1e3:.3f} |" for n in counts]
+    n0, n1 = counts[0], counts[-1]
     if n1 > n0:
-        lines.append(f"| per added worker ({n0}→{n1}) | {(c1 - c0) / (n1 - n0) * 1e3:.3f} | | "
-                     f"{(q1 - q0) / (n1 - n0) * 1e3:.3f} | {(b1 - b0) / (n1 - n0) * 1e3:.3f} |")
+        def slopes(series: dict, key0: Any, key1: Any) -> str:
+            return _spread([(b - a) / (n1 - n0) for a, b in zip(series[key0], series[key1])])
+
+        lines.append(f"| per added worker ({n0}→{n1}), median (min–max) of {repeats} repeats "
+                     f"| {slopes(cpu, (n0, True), (n1, True))} | "
+                     f"| {slopes(cpu, (n0, False), (n1, False))} | {slopes(bare, (n0, 'zmq'), (n1, 'zmq'))} "
+                     f"| {slopes(bare, (n0, 'unix'), (n1, 'unix'))} |")
     return "\n".join(lines)
 
 

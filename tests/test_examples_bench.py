@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.helpers import PYPATH, ROOT
@@ -57,14 +58,14 @@ def test_benchmark_balance_demo_smoke():
 
 def test_benchmark_per_worker_smoke():
     """--per-worker: the coordinator's CPU per probe step at each worker count (with dpool's defaults and
-    without the spin through short rounds), beside bare ZeroMQ's."""
+    without the spin through short rounds), beside two bare transports' (ZeroMQ, AF_UNIX)."""
     res = _run(["benchmarks/bench.py", "--smoke", "--per-worker"])
     assert res.returncode == 0, res.stderr
     rows = [line.split("|")[1:-1] for line in res.stdout.splitlines() if line.startswith("| ")]
     counts = [r[0].strip() for r in rows[1:]]
-    assert counts == ["1", "2", "per added worker (1→2)"], res.stdout
+    assert counts[:2] == ["1", "2"] and counts[2].startswith("per added worker (1→2)"), res.stdout
     for r in rows[1:3]:
-        assert all(float(c) > 0 for c in (r[1], r[2], r[3], r[4])), res.stdout
+        assert all(float(c) > 0 for c in r[1:6]), res.stdout
 
 
 def test_benchmark_attach_demo_smoke():
@@ -100,13 +101,17 @@ def test_train_cnn_baseline_gets_the_same_allocator_setting():
 
 def test_benchmark_cross_node_setup_smoke(tmp_path):
     """The `nodes` setup (dpool's cross-node mode, 2 coordinators on loopback gloo) runs and reports its
-    exposed cross-node time next to DDP's at the same process count."""
-    res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe", "--setups", "nodes,ddp", "--out",
-                str(tmp_path)], timeout=300)
+    exposed cross-node time next to DDP's at the same process count, and, beside `nodes-serial` (no
+    overlap), how much of the exchange the overlap hid."""
+    res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe", "--setups", "nodes,nodes-serial,ddp",
+                "--out", str(tmp_path)], timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     entry = json.loads((tmp_path / "smoke.json").read_text())["workloads"]["probe"]
-    assert set(entry["setups"]) == {"nodes", "ddp"} and entry["nodes_exposed_collective_ms_per_step"] >= 0
-    assert "nodes/ddp" in res.stdout
+    assert set(entry["setups"]) == {"nodes", "nodes-serial", "ddp"}
+    assert entry["nodes_exposed_collective_ms_per_step"] >= 0 and entry["nodes_serial_exposed_collective_ms_per_step"] >= 0
+    assert entry["nodes_hidden_collective_ms_per_step"] == pytest.approx(
+        entry["nodes_serial_exposed_collective_ms_per_step"] - entry["nodes_exposed_collective_ms_per_step"])
+    assert "nodes/ddp" in res.stdout and "hidden behind the backward" in res.stdout
 
 
 def test_resnet18_workload_is_torchvisions_layout():
