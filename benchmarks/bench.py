@@ -435,10 +435,11 @@ class _Bare:
 
         self.kind, self.frame = kind, b"x" * _FRAME
         ctx = mp.get_context("spawn")
-        self.tmp = tempfile.mkdtemp(prefix="dpool-bench-")
         if kind == "zmq":
             import zmq
 
+            self.more = int(zmq.SNDMORE)
+            self.tmp = tempfile.mkdtemp(prefix="dpool-bench-")
             endpoint = f"ipc://{self.tmp}/s"
             self.ctx = zmq.Context()
             self.router = self.ctx.socket(zmq.ROUTER)
@@ -462,9 +463,8 @@ class _Bare:
 
     def _round(self) -> None:
         if self.kind == "zmq":
-            more = 2  # zmq.SNDMORE
             for ident in self.idents:
-                self.router.send(ident, more)
+                self.router.send(ident, self.more)
                 self.router.send(self.frame)
             for _ in self.idents:
                 self.router.recv_multipart()
@@ -499,11 +499,11 @@ class _Bare:
         if self.kind == "zmq":
             self.router.close(0)
             self.ctx.term()
+            shutil.rmtree(self.tmp, ignore_errors=True)
         else:
             self.epoll.close()
             for s in self.socks:
                 s.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _spread(values: list[float]) -> str:
@@ -529,21 +529,20 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
     w = WORKLOADS["probe"]
     g = torch.Generator().manual_seed(0)
     data = [w.batch(w.global_batch, g) for _ in range(4)]
-    pools = {}
-    for n in counts:
-        torch.manual_seed(0)
-        model = dpool.wrap(w.make(), ["cpu"] * n, worker_threads=1)
-        opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
-        _steps(model, opt, w.loss, data, 20)
-        pools[n] = (model, opt)
+    pools: dict[int, tuple[Any, torch.optim.Optimizer]] = {}
     cpu: dict[tuple[int, bool], list[float]] = {(n, s): [] for n in counts for s in (True, False)}
     wall: dict[int, list[float]] = {n: [] for n in counts}
     bare: dict[tuple[int, str], list[float]] = {(n, k): [] for n in counts for k in ("zmq", "unix")}
     try:
+        for n in counts:
+            torch.manual_seed(0)
+            model = dpool.wrap(w.make(), ["cpu"] * n, worker_threads=1)
+            pools[n] = (model, torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9))
+            _steps(*pools[n], w.loss, data, 20)
         for _ in range(repeats):
             for n in counts:
                 model, opt = pools[n]
-                pool = model._runtime.pool  # type: ignore[union-attr]
+                pool = model._runtime.pool  # the spin is the pool's (DPOOL_WAIT_SPIN_US sets it at wrap())
                 spin = pool.spin_s
                 for spinning in (True, False):
                     pool.spin_s = spin if spinning else 0.0
