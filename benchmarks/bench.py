@@ -424,58 +424,13 @@ def _unix_echo(sock: Any) -> None:
 
 
 class _Bare:
-    """Two bare round trips per "step" to ``peers`` Python processes: what a transport alone costs the
-    coordinator. ``"zmq"``: one ROUTER and ``peers`` DEALERs on ``ipc://``, as dpool's control channel;
-    ``"unix"``: one ``AF_UNIX`` ``SOCK_SEQPACKET`` pair per peer, read through ``epoll``, with no I/O thread."""
+    """Two bare round trips per "step" to ``peers`` Python processes that answer at once: what a transport
+    alone costs the coordinator. Subclasses start the peers and run one round."""
 
-    def __init__(self, kind: str, peers: int) -> None:
-        import select
-        import socket
-        import tempfile
-
-        self.kind, self.frame = kind, b"x" * _FRAME
-        ctx = mp.get_context("spawn")
-        if kind == "zmq":
-            import zmq
-
-            self.more = int(zmq.SNDMORE)
-            self.tmp = tempfile.mkdtemp(prefix="dpool-bench-")
-            endpoint = f"ipc://{self.tmp}/s"
-            self.ctx = zmq.Context()
-            self.router = self.ctx.socket(zmq.ROUTER)
-            self.router.bind(endpoint)
-            self.procs = [ctx.Process(target=_zmq_echo, args=(endpoint,)) for _ in range(peers)]
-            for p in self.procs:
-                p.start()
-            self.idents = [self.router.recv_multipart()[0] for _ in range(peers)]
-        else:
-            pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(peers)]
-            self.procs = [ctx.Process(target=_unix_echo, args=(theirs,)) for _, theirs in pairs]
-            for p in self.procs:
-                p.start()
-            for _, theirs in pairs:
-                theirs.close()
-            self.socks = [mine for mine, _ in pairs]
-            self.by_fd = {s.fileno(): s for s in self.socks}
-            self.epoll = select.epoll()
-            for s in self.socks:
-                self.epoll.register(s.fileno(), select.EPOLLIN)
+    procs: list
 
     def _round(self) -> None:
-        if self.kind == "zmq":
-            for ident in self.idents:
-                self.router.send(ident, self.more)
-                self.router.send(self.frame)
-            for _ in self.idents:
-                self.router.recv_multipart()
-            return
-        for s in self.socks:
-            s.send(self.frame)
-        left = len(self.socks)
-        while left:
-            for fd, _ in self.epoll.poll():
-                self.by_fd[fd].recv(4096)
-                left -= 1
+        raise NotImplementedError
 
     def cpu_per_step(self, steps: int) -> float:
         """The coordinator's CPU seconds (all its threads) per two round trips."""
@@ -487,23 +442,82 @@ class _Bare:
             self._round()
         return (time.process_time() - c0) / steps
 
-    def close(self) -> None:
-        if self.kind == "zmq":
-            for ident in self.idents:
-                self.router.send_multipart([ident, b"bye"])
-        else:
-            for s in self.socks:
-                s.send(b"bye")
+    def _join(self) -> None:
         for p in self.procs:
             p.join(10)
-        if self.kind == "zmq":
-            self.router.close(0)
-            self.ctx.term()
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        else:
-            self.epoll.close()
-            for s in self.socks:
-                s.close()
+
+
+class _BareZmq(_Bare):
+    """One ROUTER and ``peers`` DEALERs on ``ipc://``, as dpool's control channel."""
+
+    def __init__(self, peers: int) -> None:
+        import tempfile
+
+        import zmq
+
+        self.frame, self.more = b"x" * _FRAME, int(zmq.SNDMORE)
+        self.tmp = tempfile.mkdtemp(prefix="dpool-bench-")
+        endpoint = f"ipc://{self.tmp}/s"
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(endpoint)
+        self.procs = [mp.get_context("spawn").Process(target=_zmq_echo, args=(endpoint,)) for _ in range(peers)]
+        for p in self.procs:
+            p.start()
+        self.idents = [self.router.recv_multipart()[0] for _ in range(peers)]
+
+    def _round(self) -> None:
+        for ident in self.idents:
+            self.router.send(ident, self.more)
+            self.router.send(self.frame)
+        for _ in self.idents:
+            self.router.recv_multipart()
+
+    def close(self) -> None:
+        for ident in self.idents:
+            self.router.send_multipart([ident, b"bye"])
+        self._join()
+        self.router.close(0)
+        self.ctx.term()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class _BareUnix(_Bare):
+    """One ``AF_UNIX`` ``SOCK_SEQPACKET`` pair per peer, read through ``epoll``: no I/O thread."""
+
+    def __init__(self, peers: int) -> None:
+        import select
+        import socket
+
+        self.frame = b"x" * _FRAME
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(peers)]
+        self.procs = [mp.get_context("spawn").Process(target=_unix_echo, args=(theirs,)) for _, theirs in pairs]
+        for p in self.procs:
+            p.start()
+        for _, theirs in pairs:
+            theirs.close()
+        self.socks = [mine for mine, _ in pairs]
+        self.by_fd = {s.fileno(): s for s in self.socks}
+        self.epoll = select.epoll()
+        for s in self.socks:
+            self.epoll.register(s.fileno(), select.EPOLLIN)
+
+    def _round(self) -> None:
+        for s in self.socks:
+            s.send(self.frame)
+        left = len(self.socks)
+        while left:
+            for fd, _ in self.epoll.poll():
+                self.by_fd[fd].recv(4096)
+                left -= 1
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.send(b"bye")
+        self._join()
+        self.epoll.close()
+        for s in self.socks:
+            s.close()
 
 
 def _spread(values: list[float]) -> str:
@@ -552,8 +566,8 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
                     if spinning:
                         wall[n].append(took / steps)
                 pool.spin_s = spin
-                for kind in ("zmq", "unix"):
-                    b = _Bare(kind, n)
+                for kind, make in (("zmq", _BareZmq), ("unix", _BareUnix)):
+                    b = make(n)
                     try:
                         bare[n, kind].append(b.cpu_per_step(steps))
                     finally:
