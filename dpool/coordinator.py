@@ -197,7 +197,7 @@ class Runtime:
             overlap = (self.config.cross_node_overlap and not self.cuda
                        and not any(isinstance(m, SyncBatchNorm) for m in self.module.modules()))
             self.reducer = CrossNodeReducer(self.layout, master.params, master.param_strides, self.device, self.nodes,
-                                            overlap)
+                                            overlap, fold=not self._forward_collectives)
         else:
             # a large sum may use the workers' cores: they are idle while it runs
             self.reducer = Reducer(self.layout, master.params, master.param_strides, self.device,

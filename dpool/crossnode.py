@@ -57,6 +57,7 @@ log = logging.getLogger("dpool")
 FORWARD, BACKWARD = 1, 2
 _KINDS = {FORWARD: "a training forward", BACKWARD: "a backward"}
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's kDefaultFirstBucketBytes
+_HEADER_BYTES = 24  # a header: three int64
 BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb=25
 _WRAPS = itertools.count()  # per process: the wrap number in the store namespace (same on every rank)
 
@@ -213,21 +214,30 @@ class CrossNode:
         self.peers.wait(work, doing, self.step)
         self.check_header()
 
-    def start_header(self, kind: int, at: int) -> tuple[Any, str]:
-        """Launch the header's all-gather; :meth:`check_header` reads it once the work completed."""
+    def next_header(self, kind: int, at: int) -> torch.Tensor:
+        """This rank's next header (three int64: kind, collective number, training forward number), in a
+        tensor made once: launched alone by :meth:`start_header`, or carried in a bucket's all-gather."""
         if self._header is None:  # made once
             self._header = torch.zeros(3, dtype=torch.int64, device=self.comm_device)
             self._headers = [torch.zeros_like(self._header) for _ in range(self.size)]
         h = self._header
         h[0], h[1], h[2] = kind, self.seq, at
-        doing = f"starting {_KINDS[kind]} (collective {self.seq})"
-        work = self.dist.all_gather(self._headers, h, group=self.group, async_op=True)
         self.seq += 1
+        return h
+
+    def start_header(self, kind: int, at: int) -> tuple[Any, str]:
+        """Launch the header's all-gather; :meth:`check_header` reads it once the work completed."""
+        doing = f"starting {_KINDS[kind]} (collective {self.seq})"
+        h = self.next_header(kind, at)
+        work = self.dist.all_gather(self._headers, h, group=self.group, async_op=True)
         self.collectives += 1
         return work, doing
 
     def check_header(self) -> None:
-        where = [tuple(int(v) for v in row) for row in torch.stack(self._headers).cpu()]
+        self.check_rows([tuple(int(v) for v in row) for row in torch.stack(self._headers).cpu()])
+
+    def check_rows(self, where: Sequence[tuple[int, ...]]) -> None:
+        """Raise :class:`CollectiveDesyncError` unless every rank's header (``where[rank]``) is the same."""
         if len(set(where)) > 1:
             def say(w: tuple[int, ...]) -> str:
                 k, seq, f = w
@@ -267,7 +277,12 @@ class CrossNodeReducer(Reducer):
     A backward's collectives, the same on every rank whatever the timing:
 
     1. a *header* (its kind and position, checked before the first bucket leaves, so ranks that are out
-       of step never combine anything), launched as the round starts;
+       of step never combine anything), launched as the round starts. With two nodes and a model whose
+       training forwards exchange nothing (no buffers, no SyncBatchNorm: ``fold``), every collective of
+       the job is a backward's bucket, so ranks out of step still make collectives of the same sizes:
+       the header then rides behind the first bucket (bytes in an all-gather arrive unchanged) and is
+       checked once that bucket arrived, before anything reaches ``.grad``. That saves one collective
+       per step, which on a small model is most of the cross-node time (gloo's latency on loopback);
     2. every bucket (:func:`_buckets`, groups in order), whether or not a local shard used it;
     3. with the last bucket (the group's first parameters, whose gradients come last), a *trailer* in
        front of it: whether a shard was ``late``, and the "used" mask as 0/1 values, unscaled, so the
@@ -292,10 +307,12 @@ class CrossNodeReducer(Reducer):
     Args:
         nodes: this node among the others.
         overlap: exchange buckets during the backward (the workers report them).
+        fold: whether the model's training forwards issue no collective (the header may then ride in
+            the first bucket, with two nodes).
     """
 
     def __init__(self, layout: Layout, params: Sequence[torch.Tensor], strides: Sequence[Sequence[int] | None],
-                 device: torch.device, nodes: CrossNode, overlap: bool) -> None:
+                 device: torch.device, nodes: CrossNode, overlap: bool, fold: bool = False) -> None:
         super().__init__(layout, params, strides, device)
         self.nodes = nodes
         self.overlap = overlap
@@ -313,6 +330,9 @@ class CrossNodeReducer(Reducer):
                 self.members.append([i for i, f in zip(idxs, first) if f < b and f + self.params[i].numel() > a])
         self._pairs: list[list[torch.Tensor] | None] = [None] * len(self.plan)  # all-gather outputs, made once
         self._pre = 1 + len(self.params)  # the trailer: late flag, then one "used" value per parameter
+        # the folded header: 24 bytes behind the first bucket (the end of the first group), in its dtype's elements
+        el = layout.param_groups[self.groups[0]][0].itemsize if self.plan else 1
+        self._post = -(-_HEADER_BYTES // el) if fold and nodes.size == 2 and self.plan else 0
         self._mask = bytearray()
         self._late = False
         self._slots: Sequence[Sequence[torch.Tensor]] | None = None
@@ -331,8 +351,12 @@ class CrossNodeReducer(Reducer):
               ) -> Callable[[int, int, int], None] | None:
         nodes = self.nodes
         self._slots = slots
-        self._header = nodes.start_header(BACKWARD, at)
-        self._header_checked = False
+        if self._post:  # rides in the first bucket (written by _launch), checked in _finish
+            self._header_at = at
+            self._header_checked = True
+        else:
+            self._header = nodes.start_header(BACKWARD, at)
+            self._header_checked = False
         # memory nobody holds (the master's gradients are views of it: dpool.reduce.Totals). The last
         # group's starts with the trailer's room: the last bucket to leave carries this rank's late flag
         # and "used" mask with it
@@ -340,7 +364,8 @@ class CrossNodeReducer(Reducer):
         for gi, g in enumerate(self.groups):
             numel = (self.layout.param_groups[g][2] - self.layout.param_groups[g][1]) // slots[0][g].element_size()
             pre = self._pre if gi == len(self.groups) - 1 else 0
-            self._totals.append(self.totals.take(g, numel, slots[0][g].dtype, self.device, pre))
+            post = self._post if gi == 0 else 0
+            self._totals.append(self.totals.take(g, numel, slots[0][g].dtype, self.device, pre, post))
         self._works = []
         self._next = 0
         if not self.overlap:
@@ -370,13 +395,21 @@ class CrossNodeReducer(Reducer):
         assert self._slots is not None
         gi, a, b = self.plan[j]
         g = self.groups[gi]
-        out = self._sum([s[g][a:b] for s in self._slots], self._totals[gi][a:b])
+        total = self._totals[gi]
+        out = self._sum([s[g][a:b] for s in self._slots], total[a:b])
         out.mul_(1.0 / nodes.size)  # DDP's order: 1/N first (no overflow in half precision), then the SUM
+        start, stop = a, b
         if j == len(self.plan) - 1:  # the trailer rides in front of the last bucket, unscaled: a SUM of 0/1
-            trailer = self._totals[gi].as_strided((self._pre,), (1,), self._totals[gi].storage_offset() - self._pre)
+            trailer = total.as_strided((self._pre,), (1,), total.storage_offset() - self._pre)
             trailer[0] = float(self._late)
             trailer[1:].copy_(torch.frombuffer(self._mask, dtype=torch.uint8))
-            out = self._totals[gi].as_strided((self._pre + b,), (1,), trailer.storage_offset())
+            start = -self._pre  # (the last bucket starts its group: a == 0)
+        if j == 0 and self._post:  # the folded header rides behind the first bucket (its group's end: b)
+            room = total.as_strided((self._post,), (1,), total.storage_offset() + b)
+            room.view(torch.uint8)[:_HEADER_BYTES].copy_(nodes.next_header(BACKWARD, self._header_at).view(torch.uint8))
+            stop = b + self._post
+        if start != a or stop != b:
+            out = total.as_strided((stop - start,), (1,), total.storage_offset() + start)
         if nodes.size == 2:
             pair = self._pairs[j]
             if pair is None:
@@ -393,9 +426,11 @@ class CrossNodeReducer(Reducer):
         nodes = self.nodes
         while self._next < len(self.plan):
             self._launch(self._next)
-        for work, out, pair in self._works:
+        for i, (work, out, pair) in enumerate(self._works):
             nodes.peers.wait(work, "combining the gradients", nodes.step)
             if pair is not None:
+                if i == 0 and self._post:  # the first bucket carried the ranks' headers: in step?
+                    self._check_folded(pair)
                 torch.add(pair[0], pair[1], out=out)
         self._works = []
         if not self.plan:
@@ -404,6 +439,12 @@ class CrossNodeReducer(Reducer):
         trailer = last.as_strided((self._pre,), (1,), last.storage_offset() - self._pre)
         used = (trailer > 0).to(torch.uint8)
         return bytearray(used[1:].cpu().numpy().tobytes()), bool(used[0])
+
+    def _check_folded(self, pair: list[torch.Tensor]) -> None:
+        heads = [p[-self._post:].view(torch.uint8)[:_HEADER_BYTES] for p in pair]
+        if not torch.equal(heads[0], heads[1]):  # (bytes: int64 bit patterns read as floats could compare equal)
+            self.nodes.check_rows([tuple(torch.frombuffer(bytearray(h.cpu().numpy().tobytes()), dtype=torch.int64)
+                                         .tolist()) for h in heads])
 
     def combine(self, slots: Sequence[Sequence[torch.Tensor]], mask: bytearray, at: int, late: bool = False
                 ) -> tuple[list[int], list[torch.Tensor], bytearray]:

@@ -59,17 +59,18 @@ class Totals:
         self._held: dict[tuple, list[tuple[torch.Tensor, int]]] = {}  # key -> [(buffer, its idle count)]
         self.made = 0  # buffers made (tests read it)
 
-    def take(self, key: Any, numel: int, dtype: torch.dtype, device: torch.device, pre: int = 0) -> torch.Tensor:
+    def take(self, key: Any, numel: int, dtype: torch.dtype, device: torch.device, pre: int = 0,
+             post: int = 0) -> torch.Tensor:
         """A 1-D buffer of ``numel`` elements nobody else holds, with ``pre`` elements of room in front
-        of it in the same storage (a cross-node trailer)."""
-        full = (key, numel, dtype, device, pre)
+        of it and ``post`` behind it in the same storage (a cross-node trailer and header)."""
+        full = (key, numel, dtype, device, pre, post)
         held = self._held.get(full, ())
         count = _storage_use_count
         if count is not None:
             for t, idle in held:
                 if count(t.untyped_storage()._cdata) == idle:
                     return t
-        t = torch.empty(pre + numel, dtype=dtype, device=device)[pre:]
+        t = torch.empty(pre + numel + post, dtype=dtype, device=device)[pre:pre + numel]
         self.made += 1
         if count is not None and device.type == "cpu" and len(held) < self.keep:
             self._held.setdefault(full, []).append((t, count(t.untyped_storage()._cdata)))

@@ -181,6 +181,7 @@ def overlap(rank: int, world: int, p: dict) -> dict:
         net = make_deep(shared)
         model = dpool.wrap(net, device_ids=["cpu"] * p["workers"][rank], worker_threads=1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        before = model._nodes.collectives
         for x, y in batches(3, B):
             sl = rows_of(rank, world, B)
             opt.zero_grad()
@@ -188,7 +189,8 @@ def overlap(rank: int, world: int, p: dict) -> dict:
             opt.step()
         reducer = model._runtime.reducer
         out["shared" if shared else "plain"] = {"early": reducer.early, "overlap": reducer.overlap,
-                                                "buckets": len(reducer.plan)}
+                                                "buckets": len(reducer.plan),
+                                                "collectives": model._nodes.collectives - before}
         saved["shared" if shared else "plain"] = state(net)
         model.close()
     torch.save(saved, p["file"])
@@ -249,7 +251,7 @@ def fault(rank: int, world: int, p: dict) -> dict:
 
     kind, victim, before = p["kind"], p.get("victim", 1), p.get("where") == "before"
     B = 4 * world
-    net = make_net(bn=False)
+    net = make_net(bn=p.get("bn", False))
     model = dpool.wrap(net, device_ids=["cpu"], worker_threads=1, max_restarts=0,
                        peer_heartbeat_s=0.2, peer_heartbeat_timeout_s=p.get("silence", 3.0))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
