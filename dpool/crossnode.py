@@ -128,6 +128,7 @@ class CrossNode:
         ns = f"dpool/{getattr(group, 'group_name', 'pg')}/{restart}/{next(_WRAPS)}"
         self.peers = Peers(_store_of(group), ns, self.rank, self.size, config.peer_heartbeat_s,
                            config.peer_heartbeat_timeout_s, config.peer_timeout_s)
+        self.peers.timed_waits = self.comm_device.type == "cpu" and device.type == "cpu"  # gloo on CPU tensors
         self.mask_len = 0
         self._header: torch.Tensor | None = None
         self._headers: list[torch.Tensor] = []
