@@ -113,6 +113,10 @@ class CrossNode:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        # torch.distributed names a broadcast's source and a send's peer by their rank in the default
+        # group, also for a smaller group
+        self._root = dist.get_global_rank(group, 0)
+        self._other = dist.get_global_rank(group, 1 - self.rank) if self.size == 2 else -1
         self.backend = str(dist.get_backend(group))
         if device.type == "cpu" and "gloo" not in self.backend:
             raise DpoolValueError(
@@ -260,7 +264,7 @@ class CrossNode:
 
     def broadcast(self, t: torch.Tensor, doing: str) -> None:
         """Rank 0's ``t`` into every rank's ``t`` (bounded wait)."""
-        self.peers.wait(self.dist.broadcast(t, 0, group=self.group, async_op=True), doing, self.step)
+        self.peers.wait(self.dist.broadcast(t, self._root, group=self.group, async_op=True), doing, self.step)
         self.collectives += 1
 
     def all_reduce(self, t: torch.Tensor, doing: str) -> None:
@@ -281,8 +285,7 @@ class CrossNode:
         event, checking the peers between ticks as for any collective. ``slot`` keeps a step's
         exchanges apart (gloo matches them by tag).
         """
-        dist = self.dist
-        other = 1 - self.rank
+        dist, other = self.dist, self._other
         tag = _TAG + slot
         into.prepare((dist.isend(mine, other, group=self.group, tag=tag),
                       dist.irecv(theirs, other, group=self.group, tag=tag)))
@@ -508,10 +511,10 @@ class CrossNodeReducer(Reducer):
             pair = [out, theirs] if nodes.rank == 0 else [theirs, out]  # in rank order
             self._works.append((nodes.exchange(out, theirs, j, self._exchanges[j]), out, pair))
         elif nodes.size == 2:
-            pair = self._pairs[j]
-            if pair is None:
-                pair = self._pairs[j] = [torch.empty_like(out) for _ in range(2)]
-            self._works.append((nodes.dist.all_gather(pair, out, group=nodes.group, async_op=True), out, pair))
+            outs = self._pairs[j]
+            if outs is None:
+                outs = self._pairs[j] = [torch.empty_like(out) for _ in range(2)]
+            self._works.append((nodes.dist.all_gather(outs, out, group=nodes.group, async_op=True), out, outs))
         else:
             self._works.append((nodes.dist.all_reduce(out, group=nodes.group, async_op=True), out, None))
         nodes.collectives += 1

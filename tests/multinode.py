@@ -173,13 +173,23 @@ def union(rank: int, world: int, p: dict) -> dict:
 
 def overlap(rank: int, world: int, p: dict) -> dict:
     """Buckets exchanged during the backward (nodes of 1 and 2 workers), then a model whose shared block
-    makes a gradient late: both against one process on the union batch (computed by the test)."""
+    makes a gradient late: both against one process on the union batch (computed by the test).
+    ``subgroup``: three processes, and the nodes are global ranks 1 and 2 in a group of their own
+    (rank 0 makes the group with them, then sits out); only the plain model."""
     B = 8
     out: dict = {}
     saved = {}
-    for shared in (False, True):
+    group = None
+    if p.get("subgroup"):
+        group = dist.new_group([1, 2])
+        if rank == 0:  # (it hosts the store the nodes' heartbeats use: it waits for them)
+            dist.barrier()
+            return out
+        rank, world = dist.get_rank(group), 2
+    for shared in (False, True) if group is None else (False,):
         net = make_deep(shared)
-        model = dpool.wrap(net, device_ids=["cpu"] * p["workers"][rank], worker_threads=1)
+        model = dpool.wrap(net, device_ids=["cpu"] * p["workers"][rank], worker_threads=1,
+                           **({} if group is None else {"process_group": group}))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         before = model._nodes.collectives
         for x, y in batches(3, B):
@@ -194,6 +204,8 @@ def overlap(rank: int, world: int, p: dict) -> dict:
         saved["shared" if shared else "plain"] = state(net)
         model.close()
     torch.save(saved, p["file"])
+    if group is not None:
+        dist.barrier()
     return out
 
 

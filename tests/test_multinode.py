@@ -127,6 +127,7 @@ def runs():
         "bn_sync_2x2": Run("union", 2, workers=[2, 2], buffers="sync", steps=1, head=False),
         "accumulate": Run("accumulate", 2, workers=2),
         "overlap": Run("overlap", 2, workers=[1, 2]),
+        "subgroup": Run("overlap", 3, workers=[1, 2], subgroup=True),
     }
     for run in started.values():
         run.finish(timeout=150)
@@ -215,18 +216,10 @@ def test_buckets_leave_during_the_backward_and_a_late_gradient_is_combined_again
     workers), and the result equals one process on the union batch. A block reused in two reentrant
     checkpoints grows its gradient after its bucket left: every rank combines the step again from the
     complete gradients (still equal to the reference) and turns overlap off."""
-    from tests.multinode import state
-
     run = runs["overlap"]
     _ok(run)
     for shared in (False, True):
-        net = make_deep(shared)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        for x, y in batches(3, 8):
-            opt.zero_grad()
-            F.mse_loss(net(x), y).backward()
-            opt.step()
-        ref = state(net)
+        ref = _deep_reference(shared)
         name = "shared" if shared else "plain"
         t0, t1 = run.tensors(0)[name], run.tensors(1)[name]
         for t in (t0, t1):
@@ -240,6 +233,35 @@ def test_buckets_leave_during_the_backward_and_a_late_gradient_is_combined_again
         # no buffers: a step's collectives are its buckets alone (the header rides in the first one)
         assert res["plain"]["collectives"] == 3 * res["plain"]["buckets"], res
         assert res["shared"]["overlap"] is False and res["shared"]["early"] >= 1, res
+
+
+def _deep_reference(shared: bool) -> dict:
+    """The overlap scenario's model in one process on the union batch."""
+    from tests.multinode import state
+
+    net = make_deep(shared)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches(3, 8):
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    return state(net)
+
+
+def test_an_explicit_group_smaller_than_the_world(runs):
+    """process_group= a group of global ranks 1 and 2 out of 3: torch.distributed names a broadcast's
+    source and a send's peer by their global ranks, so wrap() (rank 0's parameters) and the buckets'
+    swap must translate; the two nodes train like one process on their union batch, identically."""
+    run = runs["subgroup"]
+    _ok(run)
+    ref = _deep_reference(False)
+    t1, t2 = run.tensors(1)["plain"], run.tensors(2)["plain"]
+    for t in (t1, t2):
+        _same(t["params"], ref["params"])
+        _same(t["grads"], ref["grads"])
+    _same(t1["params"], t2["params"], exact=True)
+    res = run.result(1)["plain"]
+    assert res["buckets"] == 2 and res["collectives"] == 3 * res["buckets"], res
 
 
 def test_buffer_policy_sync_is_global(runs):
