@@ -20,10 +20,13 @@ What crosses the nodes, always in the same order on every rank:
   workers' round starts; then the gradient groups in buckets (DDP's sizes: 1 MiB first, then
   25 MiB, from the last parameter), each launched as soon as every local worker reported it
   complete during its backward (``bucket_ready``), so the exchange runs behind the rest of the
-  backward, as DDP's does; the last bucket carries a *trailer* in front of it;
+  backward, as DDP's does; the last bucket carries a *trailer* in front of it. Two nodes of CPU
+  masters swap each bucket point to point (:meth:`CrossNode.exchange`), and with two nodes a model
+  whose training forwards exchange nothing carries the header behind its first bucket instead;
 * SyncBatchNorm's statistics, all-reduced across nodes after the node's own sum.
 
-The header is an all-gather of three int64: (kind, collective number, training forward number).
+The header is three int64, all-gathered (or carried in the first bucket): (kind, collective number,
+training forward number).
 Every rank compares them and raises :class:`~dpool.errors.CollectiveDesyncError` (naming where each
 rank is) when they differ, before any bucket leaves. The trailer is this rank's "late" flag and its
 parameters' local "used" mask, as 0/1 values summed with the last bucket: their union is which
@@ -59,9 +62,9 @@ log = logging.getLogger("dpool")
 FORWARD, BACKWARD = 1, 2
 _KINDS = {FORWARD: "a training forward", BACKWARD: "a backward"}
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's kDefaultFirstBucketBytes
-_TAG = 0x64706F00  # point-to-point tags of the buckets' exchanges: this plus the bucket's index
-_HEADER_BYTES = 24  # a header: three int64
 BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb=25
+_HEADER_BYTES = 24  # a header: three int64
+_TAG = 0x64706F00  # point-to-point tags of the buckets' swaps: this plus the bucket's index
 _WRAPS = itertools.count()  # per process: the wrap number in the store namespace (same on every rank)
 
 
