@@ -279,6 +279,8 @@ def fault(rank: int, world: int, p: dict) -> dict:
             if misbehave and before:
                 _misbehave(kind, pids)
             loss = F.mse_loss(model(x[sl]), y[sl])
+            snap = snapshot(net, opt)  # the forward succeeded (its buffer updates stand, as in PyTorch): what
+            # a failure in the backward must leave
             if misbehave and not before:
                 _misbehave(kind, pids)
                 if kind == "desync":  # an extra backward on this rank only

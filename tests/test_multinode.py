@@ -304,6 +304,8 @@ def test_no_sync_accumulates_then_averages_once(runs):
 # ---------------------------------------------------------------------------- faults
 FAULTS = {  # name: (world, params, ranks that must survive with which error)
     "sigkill_mid_step": (2, {"kind": "sigkill"}, {0: "PeerLostError"}),
+    # with buffers the survivor's waits are gloo collectives (ticked), not the buckets' point-to-point swap
+    "sigkill_with_buffers": (2, {"kind": "sigkill", "bn": True}, {0: "PeerLostError"}),
     "exit_between_steps": (2, {"kind": "exit", "where": "before"}, {0: "PeerLostError"}),
     "sigstop": (2, {"kind": "sigstop"}, {0: "PeerTimeoutError"}),
     # no forward collectives: the backward's header rides in its bucket (two nodes); with buffers it is its own
@@ -319,7 +321,7 @@ def faults():
     done = {}
     # (a run's end is stamped when its finish() polls it: the slow sigstop run goes last in its batch)
     for batch in (["sigkill_mid_step", "exit_between_steps", "desync_with_buffers", "sigstop"],
-                  ["desync", "worker_killed", "sigkill_of_3"]):
+                  ["desync", "worker_killed", "sigkill_with_buffers", "sigkill_of_3"]):
         started = {n: Run("fault", FAULTS[n][0], **FAULTS[n][1]) for n in batch}
         for n, run in started.items():
             run.finish(timeout=90, kill_after={1: 2.0} if n == "sigstop" else None)
