@@ -21,8 +21,8 @@ What crosses the nodes, always in the same order on every rank:
   25 MiB, from the last parameter), each launched as soon as every local worker reported it
   complete during its backward (``bucket_ready``), so the exchange runs behind the rest of the
   backward, as DDP's does; the last bucket carries a *trailer* in front of it. Two nodes of CPU
-  masters swap each bucket point to point (:meth:`CrossNode.exchange`), and with two nodes a model
-  whose training forwards exchange nothing carries the header behind its first bucket instead;
+  masters swap each bucket point to point (:meth:`CrossNode.exchange`), and there a model whose
+  training forwards exchange nothing carries the header behind its first bucket instead;
 * SyncBatchNorm's statistics, all-reduced across nodes after the node's own sum.
 
 The header is three int64, all-gathered (or carried in the first bucket): (kind, collective number,
@@ -368,8 +368,8 @@ class CrossNodeReducer(Reducer):
     A backward's collectives, the same on every rank whatever the timing:
 
     1. a *header* (its kind and position, checked before the first bucket leaves, so ranks that are out
-       of step never combine anything), launched as the round starts. With two nodes and a model whose
-       training forwards exchange nothing (no buffers, no SyncBatchNorm: ``fold``), every collective of
+       of step never combine anything), launched as the round starts. With two nodes of CPU masters and
+       a model whose training forwards exchange nothing (no buffers, no SyncBatchNorm: ``fold``), every collective of
        the job is a backward's bucket, so ranks out of step still make collectives of the same sizes:
        the header then rides behind the first bucket (bytes in an all-gather arrive unchanged) and is
        checked once that bucket arrived, before anything reaches ``.grad``. That saves one collective
@@ -400,7 +400,7 @@ class CrossNodeReducer(Reducer):
         nodes: this node among the others.
         overlap: exchange buckets during the backward (the workers report them).
         fold: whether the model's training forwards issue no collective (the header may then ride in
-            the first bucket, with two nodes).
+            the first bucket, with two nodes of CPU masters).
     """
 
     def __init__(self, layout: Layout, params: Sequence[torch.Tensor], strides: Sequence[Sequence[int] | None],
@@ -427,9 +427,10 @@ class CrossNodeReducer(Reducer):
         self._recvs: list[torch.Tensor | None] = [None] * len(self.plan)
         self._exchanges = [Exchange() for _ in self.plan] if self.p2p else []
         self._pre = 1 + len(self.params)  # the trailer: late flag, then one "used" value per parameter
-        # the folded header: 24 bytes behind the first bucket (the end of the first group), in its dtype's elements
+        # the folded header: 24 bytes behind the first bucket (the end of the first group), in its dtype's
+        # elements. CPU masters only: the CUDA path keeps the header it was verified with on a GPU
         el = layout.param_groups[self.groups[0]][0].itemsize if self.plan else 1
-        self._post = -(-_HEADER_BYTES // el) if fold and nodes.size == 2 and self.plan else 0
+        self._post = -(-_HEADER_BYTES // el) if fold and self.p2p and self.plan else 0
         self._mask = bytearray()
         self._late = False
         self._slots: Sequence[Sequence[torch.Tensor]] | None = None
