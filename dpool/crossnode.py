@@ -368,11 +368,11 @@ class CrossNodeReducer(Reducer):
     A backward's collectives, the same on every rank whatever the timing:
 
     1. a *header* (its kind and position, checked before the first bucket leaves, so ranks that are out
-       of step never combine anything), launched as the round starts. With two nodes of CPU masters and
-       a model whose training forwards exchange nothing (no buffers, no SyncBatchNorm: ``fold``), every collective of
-       the job is a backward's bucket, so ranks out of step still make collectives of the same sizes:
-       the header then rides behind the first bucket (bytes in an all-gather arrive unchanged) and is
-       checked once that bucket arrived, before anything reaches ``.grad``. That saves one collective
+       of step never combine anything), launched as the round starts. With two nodes of CPU masters
+       and a model whose training forwards exchange nothing (no buffers, no SyncBatchNorm: ``fold``),
+       every collective of the job is a backward's bucket, so ranks out of step still make exchanges of
+       the same sizes: the header then rides behind the first bucket (bytes in a swap arrive unchanged)
+       and is checked once that bucket arrived, before anything reaches ``.grad``. That saves one collective
        per step, which on a small model is most of the cross-node time (gloo's latency on loopback);
     2. every bucket (:func:`_buckets`, groups in order), whether or not a local shard used it;
     3. with the last bucket (the group's first parameters, whose gradients come last), a *trailer* in
