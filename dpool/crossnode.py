@@ -228,7 +228,7 @@ class CrossNode:
 
     def next_header(self, kind: int, at: int) -> torch.Tensor:
         """This rank's next header (three int64: kind, collective number, training forward number), in a
-        tensor made once: launched alone by :meth:`start_header`, or carried in a bucket's all-gather."""
+        tensor made once: launched alone by :meth:`start_header`, or carried behind a bucket's swap."""
         if self._header is None:  # made once
             self._header = torch.zeros(3, dtype=torch.int64, device=self.comm_device)
             self._headers = [torch.zeros_like(self._header) for _ in range(self.size)]
@@ -510,7 +510,7 @@ class CrossNodeReducer(Reducer):
             out = total.as_strided((stop - start,), (1,), total.storage_offset() + start)
         if self.p2p:
             theirs = self._recvs[j]
-            if theirs is None or theirs.shape != out.shape:
+            if theirs is None:  # (a bucket's size, with its trailer and header, is fixed by the plan)
                 theirs = self._recvs[j] = torch.empty_like(out)
             pair = [out, theirs] if nodes.rank == 0 else [theirs, out]  # in rank order
             self._works.append((nodes.exchange(out, theirs, j, self._exchanges[j]), out, pair))

@@ -172,11 +172,12 @@ class Peers:
         and a ``wait()`` that raises the work's error once it is set (a point-to-point exchange).
         """
         start = time.monotonic()
+        done = getattr(work, "done", None)  # an exchange's (dpool.crossnode.Exchange)
         try:
-            if self.timed_waits and not hasattr(work, "done"):
+            if done is None and self.timed_waits:
                 self._wait_timed(work, doing, step, start + self.timeout_s)
             else:
-                self._wait_event(work, doing, step, start + self.timeout_s)
+                self._wait_event(work, done, doing, step, start + self.timeout_s)
         finally:
             self.waited_s += time.monotonic() - start
 
@@ -194,8 +195,7 @@ class Peers:
                         raise self._lost(str(exc), doing, step) from None
             self._tick_checks(doing, step, deadline)
 
-    def _wait_event(self, work: Any, doing: str, step: int, deadline: float) -> None:
-        done = getattr(work, "done", None)  # an exchange's (dpool.crossnode.Exchange)
+    def _wait_event(self, work: Any, done: threading.Event | None, doing: str, step: int, deadline: float) -> None:
         if done is None:
             done = threading.Event()  # set by the backend's thread when the work completes: no polling latency
             work.get_future().add_done_callback(lambda _: done.set())
