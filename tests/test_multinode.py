@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import psutil
@@ -61,7 +62,11 @@ def _free_port() -> int:
 
 
 class Run:
-    """N coordinator processes of one scenario."""
+    """N coordinator processes of one scenario.
+
+    Each rank has a thread that stamps its exit the moment the process ends (the fault rows time it, so
+    it must not depend on when :meth:`finish` gets to look), and two that drain its pipes as it writes.
+    """
 
     def __init__(self, scenario: str, world: int, **params) -> None:
         self.out = tempfile.mkdtemp(prefix="dpool-mn-")
@@ -77,16 +82,27 @@ class Run:
         self.codes: list[int | None] = [None] * world
         self.outs: list[str] = [""] * world
         self.errs: list[str] = [""] * world
+        self._threads = [threading.Thread(target=f, args=(r,), daemon=True)
+                         for r in range(world) for f in (self._stamp_exit, self._read_out, self._read_err)]
+        for t in self._threads:
+            t.start()
+
+    def _stamp_exit(self, r: int) -> None:
+        self.codes[r] = self.procs[r].wait()
+        self.ended[r] = time.time()
+
+    def _read_out(self, r: int) -> None:
+        self.outs[r] = self.procs[r].stdout.read()  # type: ignore[union-attr]
+
+    def _read_err(self, r: int) -> None:
+        self.errs[r] = self.procs[r].stderr.read()  # type: ignore[union-attr]
 
     def finish(self, timeout: float = 100.0, kill_after: dict[int, float] | None = None) -> "Run":
-        """Wait for every rank (recording when each ended); ranks in ``kill_after`` are SIGKILLed that many
-        seconds after all the others ended (a SIGSTOPped rank)."""
+        """Wait for every rank; ranks in ``kill_after`` are SIGKILLed that many seconds after all the
+        others ended (a SIGSTOPped rank). Every rank is killed at ``timeout``."""
         deadline = time.monotonic() + timeout
         kill_after = kill_after or {}
         while any(e is None for e in self.ended):
-            for r, p in enumerate(self.procs):
-                if self.ended[r] is None and p.poll() is not None:
-                    self.ended[r] = time.time()
             others = [e for r, e in enumerate(self.ended) if r not in kill_after]
             if others and all(e is not None for e in others):
                 for r, delay in kill_after.items():
@@ -96,9 +112,12 @@ class Run:
                 for p in self.procs:
                     p.kill()
             time.sleep(0.01)
-        for r, p in enumerate(self.procs):
-            self.outs[r], self.errs[r] = p.communicate()
-            self.codes[r] = p.returncode
+        for t in self._threads:  # the pipes close when the ranks' workers are gone too
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in self._threads), "a rank's pipes stayed open 30 s after it exited"
+        for p in self.procs:
+            p.stdout.close()  # type: ignore[union-attr]
+            p.stderr.close()  # type: ignore[union-attr]
         return self
 
     def result(self, r: int) -> dict:
@@ -319,8 +338,7 @@ FAULTS = {  # name: (world, params, ranks that must survive with which error)
 @pytest.fixture(scope="module")
 def faults():
     done = {}
-    # (a run's end is stamped when its finish() polls it: the slow sigstop run goes last in its batch)
-    for batch in (["sigkill_mid_step", "exit_between_steps", "desync_with_buffers", "sigstop"],
+    for batch in (["sigstop", "sigkill_mid_step", "exit_between_steps", "desync_with_buffers"],
                   ["desync", "worker_killed", "sigkill_with_buffers", "sigkill_of_3"]):
         started = {n: Run("fault", FAULTS[n][0], **FAULTS[n][1]) for n in batch}
         for n, run in started.items():
