@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests import models
 from tests.reference import per_shard
@@ -324,3 +325,96 @@ def test_both_gradient_paths_of_a_cpu_worker_match_one_process(wrap, big):
     assert net.unused.weight.grad is None
     for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, rp, msg=name)
+
+
+class _TiedLM(torch.nn.Module):
+    """A language model's layout: the output projection is the embedding's matrix (tied weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.body(self.emb(ids)))
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block under non-reentrant activation checkpointing (recomputed in the worker's backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 32)
+        self.b = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32))
+        self.c = torch.nn.Linear(32, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.c(checkpoint(self.b, torch.relu(self.a(x)), use_reentrant=False))
+
+
+@pytest.mark.parametrize("pattern", ["tied-adamw", "tied-accumulate-clip", "checkpointed", "gradscaler-bf16"])
+def test_training_loops_users_write_match_one_process(wrap, pattern):
+    """Whole training loops as users write them, against one process on the same shards: tied embedding and
+    output weights under AdamW (and with gradient accumulation over two batches and clip_grad_norm_),
+    non-reentrant activation checkpointing, and a CPU GradScaler (unscale_, clip, step, update) under bf16
+    autocast. The parameters and the optimizer's state must agree after every step, and the tie survive.
+
+    autocast runs with ``cache_enabled=False`` here: with the cache, the one-process reference shares one
+    bf16 copy of each weight across its shards and sums their gradients in bf16, where dpool's workers
+    (like DataParallel's replicas) cast their own and sum in float32, a difference of bf16 rounding."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if pattern.startswith("tied"):
+        net: torch.nn.Module = _TiedLM()
+        batches = [(torch.randint(0, 50, (7, 5), generator=g), torch.randint(0, 50, (7, 5), generator=g))
+                   for _ in range(4)]
+
+        def loss_fn(out, y):
+            return F.cross_entropy(out.reshape(-1, 50), y.reshape(-1))
+    else:
+        net = _Checkpointed()
+        batches = [(torch.randn(10, 8, generator=g), torch.randint(0, 3, (10,), generator=g)) for _ in range(4)]
+        loss_fn = F.cross_entropy
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * 3)
+    if pattern.startswith("tied"):
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ropt: torch.optim.Optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    amp = pattern == "gradscaler-bf16"
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if amp else None for _ in range(2)]
+    accumulate = 2 if pattern == "tied-accumulate-clip" else 1
+    clip = 0.5 if accumulate > 1 or amp else None
+    for step, (x, y) in enumerate(batches):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp, cache_enabled=False):
+            losses = [loss_fn(model(x), y) / accumulate, loss_fn(per_shard(ref, (x,), {}, 3, x.shape[0]), y) / accumulate]
+        for loss, scaler in zip(losses, scalers):
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if (step + 1) % accumulate:
+            continue
+        for o, scaler, m in ((opt, scalers[0], net), (ropt, scalers[1], ref)):
+            if scaler is not None:
+                scaler.unscale_(o)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            if scaler is not None:
+                scaler.step(o)
+                scaler.update()
+            else:
+                o.step()
+            o.zero_grad()
+        for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, rp, msg=lambda m: f"{name} after step {step}: {m}")
+            for key, v in opt.state[p].items():
+                torch.testing.assert_close(v, ropt.state[rp][key], msg=lambda m: f"{key} of {name}: {m}")
+    if amp:
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+    if pattern.startswith("tied"):
+        assert net.head.weight is net.emb.weight  # one parameter, as before wrap()
+        assert len(list(model.parameters())) == len(list(ref.parameters()))
