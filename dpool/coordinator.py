@@ -30,6 +30,8 @@ import logging
 import os
 import sys
 import threading
+import time
+import warnings
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import cloudpickle
@@ -37,7 +39,7 @@ import torch
 
 from . import gather as _gather, scatter as _scatter, tree as _tree
 from . import protocol as P
-from .bridge import Bridge, CallState, DoubleBridge, DoubleState, Graphs
+from .bridge import Bridge, CallState, DoubleBridge, DoubleState, Graphs, _user_stacklevel
 from .buffers import BufferCommit
 from .config import Config
 from .cpus import physical_cores
@@ -133,6 +135,7 @@ class Runtime:
         self._last_rows: list[int] | None = None  # shard sizes of the latest forward (for error hints)
         self.stats = Stats(self.n)
         self._sent_flags: tuple | None = None  # GPU numerics settings the workers have (see _follow_backend_flags)
+        self._resyncs, self._resynced_at = 0, -1  # re-syncs on consecutive forwards, the forward of the latest
         if attach is not None and max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         # Where the coordinator has no core of its own, rounds of several shards ask the workers to reply
@@ -211,18 +214,23 @@ class Runtime:
         self._init_workers(range(self.n), by_name=by_name)
 
     def _follow_changes(self) -> None:
-        """Re-sync the replicas if the master's parameters, buffers or submodules are other objects now.
+        """Re-sync the replicas if the master's parameters, buffers or submodules are other objects now,
+        or an attribute of a module was assigned or a hook added or removed (:meth:`Master.touched`).
 
-        DataParallel re-replicates every forward, so it follows a new head or a new ``nn.Parameter``
-        assigned after wrapping; dpool ships the changed model to the running workers once (new
-        layout, new shared segment, new replicas). Graphs of earlier forwards can no longer be
-        backpropagated.
+        DataParallel re-replicates every forward, so it follows a new head, a new ``nn.Parameter``,
+        ``dropout.p = 0`` or a hook registered after wrapping; dpool ships the changed model to the running
+        workers once (new layout, new shared segment, new replicas). Graphs of earlier forwards can no
+        longer be backpropagated. Objects changed in place (``model.config.x = y``) are not seen.
         """
         master = self.master
         master.changed = False
-        if master.same_objects():
-            return
-        log.info("the model changed after wrap(): re-syncing the replicas")
+        changes = master.attribute_changes()
+        if master.same_objects() and not changes:
+            return  # (a train()/eval() switch: every forward sends the modes)
+        what = ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
+        log.info("the model changed after wrap() (%s): re-syncing the replicas",
+                 what or "its parameters, buffers or submodules")
+        started = time.perf_counter()
         old_region = master.region
         master.unbind()  # what we bound so far gets private memory: the old segment goes
         try:
@@ -239,6 +247,15 @@ class Runtime:
             raise
         finally:
             old_region.close_fd()
+        # the same attribute changed before every forward: say what it costs, once
+        self._resyncs = self._resyncs + 1 if self._resynced_at == self.pool.step else 1
+        self._resynced_at = self.pool.step + 1  # (the forward this re-sync is for)
+        if self._resyncs == 3 and changes:
+            warnings.warn(
+                f"dpool: {what} changed before each of the last 3 forwards. Each change ships the "
+                f"model to the workers again ({(time.perf_counter() - started) * 1e3:.0f} ms this time), as "
+                "DataParallel's per-forward replication would pick it up. Pass a value that changes every step "
+                "as an argument of forward() instead.", stacklevel=_user_stacklevel())
 
     def _replica_arena(self, i: int) -> Any:
         """A GPU copy of the master arena for worker ``i`` (not on the master's GPU); refreshed each forward."""
@@ -411,7 +428,7 @@ class Runtime:
     def _forward(self, args: tuple, kwargs: dict, synced: bool) -> Any:
         pool = self.pool
         pool.check_usable()
-        if self.master.changed:
+        if self.master.changed or self.master.touched():
             self._follow_changes()
         self.master.check_bindings()
         if self.cuda:

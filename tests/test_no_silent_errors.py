@@ -154,6 +154,101 @@ def test_changes_to_the_model_after_wrap_are_followed(wrap, change):
         torch.testing.assert_close(model(xs[0]), ref(xs[0]))
 
 
+class _Knobs(nn.Module):
+    """A model whose forward reads plain attributes: a scale, a dropout probability, hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+        self.act = nn.Tanh()
+        self.drop = nn.Dropout(1.0)  # all zeros: deterministic, as p=0 is
+        self.out = nn.Linear(8, 3)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.out(self.drop(self.act(self.lin(x))) + self.act(self.lin(x))) * self.scale
+
+
+@pytest.mark.parametrize("change", ["attribute", "dropout_p", "forward_hook", "forward_pre_hook",
+                                    "backward_pre_hook", "hook_removed"])
+def test_attributes_and_hooks_changed_after_wrap_are_followed(wrap, change):
+    """DataParallel's replicas share the master's attributes and hooks, so `model.scale = 0.5`,
+    `dropout.p = 0` or a hook registered (or removed) after wrapping take effect at the next forward.
+    dpool's replicas are persistent: it must ship the model again, once, not train a stale copy."""
+    torch.manual_seed(0)
+    net = _Knobs().double()
+    ref = copy.deepcopy(net)
+    handles = [m.act.register_forward_hook(lambda mod, i, o: o * 2) for m in (net, ref)] if change == "hook_removed" else []
+    model = wrap(net)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(7, 6, generator=g, dtype=torch.float64) for _ in range(4)]
+    ys = [torch.randn(7, 3, generator=g, dtype=torch.float64) for _ in range(4)]
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    _train(model, opt, xs[:1], ys[:1])
+    _train(ref, ref_opt, xs[:1], ys[:1])
+    replicas = model.worker_states(id)
+
+    def apply(m: _Knobs, i: int) -> None:
+        if change == "attribute":
+            m.scale = 0.5
+        elif change == "dropout_p":
+            m.drop.p = 0.0
+        elif change == "forward_hook":
+            m.act.register_forward_hook(lambda mod, i, o: o * 2)
+        elif change == "forward_pre_hook":
+            m.out.register_forward_pre_hook(lambda mod, args: (args[0] + 1,))
+        elif change == "backward_pre_hook":
+            m.out.register_full_backward_pre_hook(lambda mod, go: (go[0] * 3,))
+        elif change == "hook_removed":  # registered before wrap()
+            handles[i].remove()
+
+    apply(net, 0)
+    apply(ref, 1)
+    _train(model, opt, xs[1:2], ys[1:2])
+    _train(ref, ref_opt, xs[1:2], ys[1:2])
+    shipped = model.worker_states(id)
+    assert all(a != b for a, b in zip(replicas, shipped)), "the replicas were not re-synced"
+    _train(model, opt, xs[2:], ys[2:])
+    _train(ref, ref_opt, xs[2:], ys[2:])
+    assert model.worker_states(id) == shipped, "re-synced again with nothing changed"
+    for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp, msg=f"{change}: {n}")
+    with torch.no_grad():
+        torch.testing.assert_close(model(xs[0]), ref(xs[0]))
+
+
+def test_train_eval_switches_and_hooks_elsewhere_ship_nothing(wrap):
+    """The modes travel with every forward, and a hook on a tensor is not the model's: neither re-ships it."""
+    net = _Knobs()
+    model = wrap(net)
+    x = torch.randn(4, 6, requires_grad=True)
+    replicas = model.worker_states(id)
+    for mode in (False, True, False, True):
+        model.train(mode)
+        out = model(x)
+        out.register_hook(lambda grad: grad * 1)
+        x.register_hook(lambda grad: grad * 1)
+        out.sum().backward()
+    assert model.worker_states(id) == replicas
+
+
+def test_an_attribute_changed_before_every_forward_is_followed_with_a_warning(wrap):
+    """Correct, but every forward ships the model again: after three in a row dpool says so, once, naming the
+    attribute and what to do instead."""
+    net = _Knobs().double()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"dpool: model\.scale changed before each of the last 3 forwards.*"
+                                         r"argument of forward\(\)") as caught:
+        for step in range(5):
+            net.scale = ref.scale = 1.0 + step
+            with torch.no_grad():
+                torch.testing.assert_close(model(x), ref(x))
+    assert sum("changed before each" in str(w.message) for w in caught) == 1
+    assert caught[0].filename == __file__
+
+
 class _Dropout(nn.Module):
     def __init__(self) -> None:
         super().__init__()
