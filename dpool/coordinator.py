@@ -136,6 +136,7 @@ class Runtime:
         self.stats = Stats(self.n)
         self._sent_flags: tuple | None = None  # GPU numerics settings the workers have (see _follow_backend_flags)
         self._resyncs, self._resynced_at = 0, -1  # re-syncs on consecutive forwards, the forward of the latest
+        self._warned_global_hooks = False
         if attach is not None and max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         # Where the coordinator has no core of its own, rounds of several shards ask the workers to reply
@@ -173,6 +174,7 @@ class Runtime:
         pool.start([master.region.fd] if master.region.fd is not None else [])
         self._ship(by_name=not pool.launcher.spawns)
         master.watch()
+        self._warn_global_hooks()
 
     def _bind(self) -> None:
         """Bind the master to a new shared region; the stages that read it follow."""
@@ -224,6 +226,7 @@ class Runtime:
         """
         master = self.master
         master.changed = False
+        self._warn_global_hooks()  # (registering one moves torch's hook handle count: touched() said so)
         changes = master.attribute_changes()
         if master.same_objects() and not changes:
             return  # (a train()/eval() switch: every forward sends the modes)
@@ -256,6 +259,18 @@ class Runtime:
                 f"model to the workers again ({(time.perf_counter() - started) * 1e3:.0f} ms this time), as "
                 "DataParallel's per-forward replication would pick it up. Pass a value that changes every step "
                 "as an argument of forward() instead.", stacklevel=_user_stacklevel())
+
+    def _warn_global_hooks(self) -> None:
+        """Say once that global module hooks do not run in the workers (DataParallel's replicas, in this
+        process, run them)."""
+        hooks = self.master.global_hooks()
+        if hooks and not self._warned_global_hooks:
+            self._warned_global_hooks = True
+            warnings.warn(
+                f"dpool: global module hooks ({', '.join(hooks)}) are set; they run in this process only, not in "
+                "dpool's workers, so they do not see or change the replicas' forward and backward. Register "
+                "the hook on the model's modules instead (module.register_forward_hook(...)): those travel "
+                "with the model.", stacklevel=_user_stacklevel())
 
     def _replica_arena(self, i: int) -> Any:
         """A GPU copy of the master arena for worker ``i`` (not on the master's GPU); refreshed each forward."""

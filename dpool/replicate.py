@@ -201,6 +201,15 @@ class Master:
         except Exception:  # an __eq__ that cannot answer (a tensor's, an array's): look closer
             return True
 
+    @staticmethod
+    def global_hooks() -> list[str]:
+        """The kinds of global module hooks set now (``register_module_forward_hook`` and its kin): they
+        run in this process only, never in the workers' replicas."""
+        return [f"register_module_{kind}_hook" for kind, d in (
+            ("forward", _module_hooks._global_forward_hooks), ("forward_pre", _module_hooks._global_forward_pre_hooks),
+            ("full_backward", _module_hooks._global_backward_hooks),
+            ("full_backward_pre", _module_hooks._global_backward_pre_hooks)) if d]
+
     def attribute_changes(self) -> list[str]:
         """The attributes assigned and the hooks added or removed since the last snapshot, as
         ``model.sub.attr`` (``training`` left out: every forward sends it); then takes a new snapshot."""

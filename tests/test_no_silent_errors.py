@@ -249,6 +249,29 @@ def test_an_attribute_changed_before_every_forward_is_followed_with_a_warning(wr
     assert caught[0].filename == __file__
 
 
+@pytest.mark.parametrize("when", ["before_wrap", "after_wrap"])
+def test_global_module_hooks_are_named_in_a_warning(wrap, when):
+    """A global module hook runs in DataParallel's replicas (same process) but never in dpool's workers: say
+    so, once, rather than let a hook that changes outputs be silently skipped."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    net = _Knobs()
+    handle = register_module_forward_hook(lambda m, i, o: o) if when == "before_wrap" else None
+    try:
+        with pytest.warns(UserWarning, match=r"register_module_forward_hook.*not in dpool's workers") as caught:
+            model = wrap(net)
+            if handle is None:
+                model(torch.randn(3, 6))  # no hook yet: no warning
+                assert not any("global module hooks" in str(w.message) for w in caught)
+                handle = register_module_forward_hook(lambda m, i, o: o)
+            model(torch.randn(3, 6))
+            model(torch.randn(3, 6))
+        assert sum("global module hooks" in str(w.message) for w in caught) == 1
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 class _Dropout(nn.Module):
     def __init__(self) -> None:
         super().__init__()
