@@ -53,7 +53,7 @@ from .peers import arm_exit_guard
 from .pool import Pool
 from .reduce import Reducer, sum_sparse
 from .regions import IORegions
-from .replicate import Master
+from .replicate import DEFAULT_NUMERICS, Master, apply_numerics, numerics
 from .stats import Stats
 from .sync_batchnorm import SyncBatchNorm
 from .sweep import sweep
@@ -135,6 +135,8 @@ class Runtime:
         self._last_rows: list[int] | None = None  # shard sizes of the latest forward (for error hints)
         self.stats = Stats(self.n)
         self._sent_flags: tuple | None = None  # GPU numerics settings the workers have (see _follow_backend_flags)
+        # the default dtype, ... (see _follow_numerics): a daemon's workers may keep an earlier session's
+        self._sent_numerics: tuple | None = DEFAULT_NUMERICS if attach is None else None
         self._resyncs, self._resynced_at = 0, -1  # re-syncs on consecutive forwards, the forward of the latest
         self._warned_global_hooks = False
         if attach is not None and max_restarts:
@@ -390,6 +392,7 @@ class Runtime:
         self.graphs.lose_all()
         self._slot_gen += 1
         self._sent_flags = None  # a new process starts with torch's default numerics settings
+        self._sent_numerics = None
         self._init_workers(indices)
 
     def _raise_failures(self, replies: Mapping[int, Any], where: str) -> None:
@@ -446,6 +449,8 @@ class Runtime:
         if self.master.changed or self.master.touched():
             self._follow_changes()
         self.master.check_bindings()
+        if numerics() != self._sent_numerics:
+            self._follow_numerics()
         if self.cuda:
             self._follow_backend_flags()
         release = self.graphs.collect(self.io.release)
@@ -840,6 +845,13 @@ class Runtime:
                               [param_grads[i] for i in double.state.diff_idx])
 
     # ------------------------------------------------------------------ misc
+    def _follow_numerics(self) -> None:
+        """Give the workers this process's default dtype and deterministic-algorithms setting (they changed,
+        or a worker was restarted)."""
+        values = numerics()
+        self.call_workers(functools.partial(apply_numerics, values))
+        self._sent_numerics = values
+
     def _follow_backend_flags(self) -> None:
         """Give the workers this process's TF32 and cuDNN settings when they changed (or after a restart)."""
         flags = backend_flags()

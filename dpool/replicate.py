@@ -41,7 +41,27 @@ from .errors import DpoolValueError, ModelChangedError, UnpicklableModelError, U
 from .layout import Layout
 from .tensors import dense_strides
 
-__all__ = ["Master"]
+__all__ = ["Master", "numerics", "apply_numerics", "DEFAULT_NUMERICS"]
+
+
+def numerics() -> tuple:
+    """This process's settings that change what a forward or backward computes on any device: the default
+    dtype (what ``torch.tensor(0.1)`` or ``torch.arange(n) * 0.5`` inside a forward make), deterministic
+    algorithms, and autograd's anomaly detection. Workers follow the coordinator's, as nn.DataParallel's
+    replicas in its one process do (the CUDA ones: :func:`dpool.gpu.backend_flags`)."""
+    return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(), torch.is_anomaly_enabled(),
+            torch.is_anomaly_check_nan_enabled())
+
+
+DEFAULT_NUMERICS = (torch.float32, False, False, False, True)  # what a new worker process has
+
+
+def apply_numerics(values: tuple, _model: Any = None) -> None:
+    """Set :func:`numerics` in this (worker) process."""
+    torch.set_default_dtype(values[0])
+    torch.use_deterministic_algorithms(values[1], warn_only=values[2])
+    torch.autograd.set_detect_anomaly(values[3], check_nan=values[4])
 
 
 class _Pickler(cloudpickle.Pickler):

@@ -272,6 +272,76 @@ def test_global_module_hooks_are_named_in_a_warning(wrap, when):
             handle.remove()
 
 
+class _Constants(nn.Module):
+    """A forward that makes tensors of the default dtype: what torch.set_default_dtype changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + (torch.arange(h.shape[1]) * 1e6 + 0.1)  # float32 would keep 1000000.125, not .1
+
+
+@pytest.mark.parametrize("when", ["before_wrap", "after_wrap"])
+def test_the_default_dtype_and_deterministic_mode_reach_the_workers(wrap, when):
+    """torch.set_default_dtype(torch.float64) changes what a forward computes, and DataParallel's replicas,
+    in its one process, follow it; so must dpool's workers, whether it was set before wrap() or after.
+    The same for torch.use_deterministic_algorithms."""
+    torch.manual_seed(0)
+    net = _Constants().double()
+    ref = copy.deepcopy(net)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    try:
+        if when == "before_wrap":
+            torch.set_default_dtype(torch.float64)
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        model = wrap(net)
+        if when == "after_wrap":
+            torch.testing.assert_close(model(x), ref(x))  # (float32 in both)
+            torch.set_default_dtype(torch.float64)
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=1e-9)
+        assert model.worker_states(lambda r: (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                                              torch.is_deterministic_algorithms_warn_only_enabled())) == \
+            [(torch.float64, True, True)] * 2
+    finally:
+        torch.set_default_dtype(torch.float32)
+        torch.use_deterministic_algorithms(False)
+    torch.testing.assert_close(model(x), ref(x))  # and back
+
+
+class _NaNBackward(nn.Module):
+    """A finite forward whose backward makes a NaN (sqrt's gradient at 0 is inf, times 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + torch.sqrt(h - h) * 0
+
+
+def test_anomaly_detection_reaches_the_workers_backward(wrap):
+    """torch.autograd.set_detect_anomaly(True) makes a backward that produces NaN raise, naming the
+    function, in one process and in DataParallel's replicas; dpool's workers follow it (without it, the
+    NaN would reach the master's gradients silently)."""
+    model = wrap(_NaNBackward())
+    x = torch.randn(5, 6)
+    model(x).sum().backward()
+    assert torch.isnan(model.module.lin.weight.grad).all()  # the case anomaly detection is for
+    try:
+        torch.autograd.set_detect_anomaly(True)
+        with pytest.raises(RuntimeError, match="SqrtBackward0.*returned nan values"):
+            model(x).sum().backward()
+    finally:
+        torch.autograd.set_detect_anomaly(False)
+    model(x).sum().backward()  # the pool goes on, and the workers follow the switch back
+    assert model.worker_states(lambda r: torch.is_anomaly_enabled()) == [False, False]
+
+
 class _Dropout(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -259,6 +259,25 @@ def test_the_same_seed_gives_the_same_dropout_embedded_and_attached(wrap, daemon
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_an_attached_session_does_not_inherit_the_last_sessions_default_dtype(wrap, daemon_pools):
+    """A daemon's workers outlive a session: one that ran under torch.set_default_dtype(torch.float64)
+    must not leave the next session's forwards computing in float64."""
+    from tests.test_no_silent_errors import _Constants
+
+    torch.manual_seed(0)
+    net = _Constants().double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    try:
+        torch.set_default_dtype(torch.float64)
+        model = wrap(copy.deepcopy(net), pool=daemon_pools[2], device_ids=None)
+        model(x)
+        model.close()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model = wrap(net, pool=daemon_pools[2], device_ids=None)
+    torch.testing.assert_close(model(x), copy.deepcopy(net)(x), rtol=0, atol=1e-9)
+
+
 class _Reuse(torch.nn.Module):
     """Gradient paths in one model: a layer applied twice (two accumulations into its gradient in one
     backward), a parameter no forward uses, one that is frozen, and optionally a large one (a big table
