@@ -224,7 +224,7 @@ class Master:
         except Exception:  # an __eq__ that cannot answer (a tensor's, an array's): look closer
             return True
         if RemovableHandle.next_id != self._next_handle:  # a hook was made somewhere: one of the model's?
-            if list(map(tuple, self._hook_dicts)) != self._hook_keys:
+            if list(map(tuple, self._hook_dicts)) != self._hook_keys or self.global_hooks():
                 return True
             self._next_handle = RemovableHandle.next_id  # (a tensor's, another model's)
         return False
