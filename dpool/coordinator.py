@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import cloudpickle
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from . import gather as _gather, scatter as _scatter, tree as _tree
 from . import protocol as P
@@ -262,6 +263,17 @@ class Runtime:
                 "DataParallel's per-forward replication would pick it up. Pass a value that changes every step "
                 "as an argument of forward() instead.", stacklevel=_user_stacklevel())
 
+    @staticmethod
+    def _refuse_dual(tensors: Sequence[torch.Tensor]) -> None:
+        """Forward-mode AD: the shards travel as plain data, so a dual input's tangent would be dropped and the
+        output would come back without one. Refused rather than lost."""
+        for t in tensors:
+            if _fwad.unpack_dual(t).tangent is not None:
+                raise UnsupportedError(
+                    "an input of the dpool model is a dual tensor (torch.autograd.forward_ad): its tangent cannot "
+                    "travel to the workers, so the output would have none. Compute forward-mode derivatives on "
+                    "the plain module (dpool.unwrap(model)), or use reverse mode (backward(), torch.autograd.grad).")
+
     def _warn_global_hooks(self) -> None:
         """Say once that global module hooks do not run in the workers (DataParallel's replicas, in this
         process, run them)."""
@@ -453,12 +465,16 @@ class Runtime:
             self._follow_numerics()
         if self.cuda:
             self._follow_backend_flags()
-        release = self.graphs.collect(self.io.release)
         tensors: list[torch.Tensor] = []
         spec = _tree.flatten((tuple(args), dict(kwargs)), tensors)
+        if _fwad._current_level >= 0:  # inside forward_ad.dual_level()
+            self._refuse_dual(tensors)
         k, splits = _scatter.plan(tensors, self.n, self.dim, self.balancer.weights())
         self._last_rows = next((sizes for sizes in splits if sizes is not None), None)
         shards = _scatter.shard_views(tensors, splits, k, self.dim)
+        # after the inputs were accepted: calls collected here must reach the workers with this request
+        # (or be released again), or the workers would keep their graphs for good
+        release = self.graphs.collect(self.io.release)
         grad = torch.is_grad_enabled()
         rg = [grad and t.requires_grad for t in tensors]
         training = bytes(m.training for m in self.master.modules)
@@ -504,7 +520,11 @@ class Runtime:
             layouts.append((offs, placer.offset))
             grow += self.io.input_growth(s, placer.offset)
         if grow and not self.cuda:
-            check_free(self.config.shm_dir, grow)  # all shards' new segments, before creating any
+            try:
+                check_free(self.config.shm_dir, grow)  # all shards' new segments, before creating any
+            except BaseException:
+                self.graphs.release(release)
+                raise
         if self.cuda:
             self._push()
         together = pool.together(k)  # reply together ([] unless the pool asks for it, see Pool.together)

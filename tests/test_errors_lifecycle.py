@@ -243,6 +243,27 @@ def test_packed_sequences_get_the_faq_advice(wrap):
     assert fixed(x, lengths).shape == (4, 6, 4)
 
 
+@pytest.mark.parametrize("refused", ["packed_sequence", "dual_tensor"])
+def test_a_refused_input_leaves_no_graph_behind_on_the_workers(wrap, refused):
+    """The graph of an output let go of is freed by the workers with the next request. An input refused
+    before any request (a PackedSequence; a dual tensor of forward-mode AD, whose tangent could not travel)
+    must leave that release pending, not lose it: the workers would keep the graph for good."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.nn.utils.rnn import pack_sequence
+
+    model = wrap(nn.Linear(4, 2))
+    out = model(torch.randn(6, 4))
+    del out  # its graph is released with the next request
+    if refused == "packed_sequence":
+        with pytest.raises(TypeError, match="PackedSequence cannot be split"):
+            model(pack_sequence([torch.randn(3, 4), torch.randn(2, 4)]))
+    else:
+        with fwAD.dual_level(), pytest.raises(dpool.UnsupportedError, match="dual tensor.*tangent"):
+            model(fwAD.make_dual(torch.randn(6, 4), torch.randn(6, 4)))
+    model(torch.randn(6, 4)).sum().backward()
+    assert [w["graphs_kept"] for w in model.stats(inspect=True)["workers"]] == [0, 0]
+
+
 def test_batchnorm_on_a_one_row_shard_names_the_shards_and_the_fix(wrap):
     model = wrap(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), ["cpu", "cpu", "cpu"])
     with pytest.raises(ValueError, match=r"shards of \[2, 1, 1\] rows.*drop_last=True.*fewer workers"):
