@@ -626,6 +626,7 @@ class Runtime:
         """
         pool, state = self.pool, handle._state
         pool.check_usable()
+        fn = crit.payload()  # (the loss may have changed since the last step)
         if not self.graphs.kept(state.call):
             raise RuntimeError("the outputs of this forward are no longer on the workers (released or restarted)")
         tensors: list[torch.Tensor] = []
@@ -664,7 +665,7 @@ class Runtime:
             # the loss graph may save the targets: keep their region until the call is released
             self.io.keep(s, (state.call, "targets", id(seg), start), (seg, start, start + placer.offset))
             gin = self.io.ensure(s, "gin", state.gin_sizes[s]).ref() if speculate else [None, 0]
-            msgs[s] = P.Criterion(state.call, crit._bytes, spec, metas, seg.ref(), seed, seed_dtype, gin, pool.step,
+            msgs[s] = P.Criterion(state.call, fn, spec, metas, seg.ref(), seed, seed_dtype, gin, pool.step,
                                   flags, together)
         replies = self._request(msgs, "computing the loss")
         pool.unlink_segments()

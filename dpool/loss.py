@@ -91,22 +91,47 @@ class criterion:
     """
 
     def __init__(self, loss: torch.nn.Module, backward_with_loss: bool = True) -> None:
-        reduction = getattr(loss, "reduction", "mean")
-        if reduction not in ("mean", "sum"):
-            raise DpoolValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
         self.loss = loss
-        self.reduction = reduction
-        self._bytes = cloudpickle.dumps(loss)
+        self._state: list = []
+        self.payload()  # checks the reduction
         self.backward_with_loss = backward_with_loss
         self._speculate = True  # run the backward with the loss (see the module's note); off after a miss
         self._last: Speculation | None = None
         self._seed_key: tuple | None = None  # the latest predicted seed, as (bytes, value), and what it was for
         self._seed: tuple[bytes, float] = (b"", 0.0)
 
+    def payload(self) -> bytes:
+        """The loss pickled for the workers: pickled again when it changed since the last call (an attribute
+        assigned, ``label_smoothing = 0.1``, ``reduction``; a class-weight tensor replaced or changed in
+        place), as a loss the replicas of DataParallel share would follow. Sets :attr:`reduction`."""
+        state = _loss_state(self.loss)
+        try:
+            same = state == self._state
+        except Exception:  # an __eq__ that cannot answer (a tensor attribute replaced): changed
+            same = False
+        if not same:
+            reduction = getattr(self.loss, "reduction", "mean")
+            if reduction not in ("mean", "sum"):
+                raise DpoolValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
+            self._bytes = cloudpickle.dumps(self.loss)
+            self.reduction: str = reduction
+            self._state = state
+        return self._bytes
+
     def __call__(self, output: Any, *targets: Any) -> torch.Tensor:
         if not isinstance(output, ShardedOutput):
             return self.loss(output, *targets)  # a gathered output: compute it here
         return output._runtime.criterion(output, self, targets)
+
+
+def _loss_state(loss: Any) -> list:
+    """What :meth:`Criterion.payload` compares: every attribute of the loss's modules (by identity, or ``==``)
+    and the in-place version counter of each of its tensors."""
+    if not isinstance(loss, torch.nn.Module):
+        return [loss]
+    mods = list(loss.modules())
+    tensors = [t for m in mods for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+    return [v for m in mods for v in m.__dict__.values()] + tensors + [t._version for t in tensors]
 
 
 class LossBridge(torch.autograd.Function):

@@ -46,6 +46,7 @@ __all__ = ["flatten", "unflatten"]
 _SCALARS = (type(None), bool, int, float, str, bytes)
 _TYPE_CACHE: dict[type, bytes] = {}
 _LOAD_CACHE: dict[bytes, Any] = {}
+_LOAD_CACHE_SIZE = 256
 _I64 = 2**63
 
 
@@ -57,8 +58,11 @@ def _type_bytes(tp: type) -> bytes:
 
 
 def load_type(b: bytes) -> Any:
+    """The object pickled as ``b`` (output types, a criterion), unpickled once while it stays in use."""
     tp = _LOAD_CACHE.get(b)
     if tp is None:
+        if len(_LOAD_CACHE) >= _LOAD_CACHE_SIZE:  # a criterion changed every step must not pile up
+            del _LOAD_CACHE[next(iter(_LOAD_CACHE))]
         tp = _LOAD_CACHE[b] = cloudpickle.loads(b)
     return tp
 

@@ -291,6 +291,39 @@ def test_loss_on_the_workers_equals_full_batch(wrap, loss_fn):
         torch.testing.assert_close(p.grad, rp.grad)
 
 
+@pytest.mark.parametrize("change", ["label_smoothing", "weight_in_place", "weight_replaced", "reduction"])
+def test_a_criterion_changed_after_it_was_made_is_followed(wrap, change):
+    """Users schedule their loss (label smoothing warm-up, class weights re-balanced each epoch): the
+    workers must compute the loss as it is now, not as it was pickled, both the loss and its backward."""
+    torch.manual_seed(0)
+    net = models.MLP(d_out=4).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * 3, gather=False)
+    loss_fn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0, 0.5, 2.0], dtype=torch.float64))
+    ref_fn = copy.deepcopy(loss_fn)
+    crit = dpool.criterion(loss_fn)
+    for step in range(3):
+        if step == 1:
+            for f in (loss_fn, ref_fn):
+                if change == "label_smoothing":
+                    f.label_smoothing = 0.2
+                elif change == "weight_in_place":
+                    f.weight.mul_(torch.tensor([2.0, 1.0, 1.0, 0.25], dtype=torch.float64))
+                elif change == "weight_replaced":
+                    f.weight = torch.tensor([0.5, 0.5, 4.0, 1.0], dtype=torch.float64)
+                else:
+                    f.reduction = "sum"
+        x = torch.randn(10, 12, dtype=torch.float64)
+        y = torch.randint(0, 4, (10,))
+        loss, rloss = crit(model(x), y), ref_fn(ref(x), y)
+        torch.testing.assert_close(loss, rloss, msg=lambda m: f"step {step}: {m}")
+        loss.backward()
+        rloss.backward()
+        for p, rp in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, rp.grad)
+            p.grad, rp.grad = None, None
+
+
 def test_stats_report_timings_shards_restarts_and_bytes(wrap):
     model = wrap(nn.Linear(4, 2), ["cpu", "cpu"])
     for _ in range(3):

@@ -371,3 +371,17 @@ def test_dpool_imports_go_one_way_without_cycles():
         if m not in state:
             visit(m, [m])
     assert "dpool.coordinator" in edges and "dpool.pool" in edges["dpool.coordinator"]
+
+
+def test_the_workers_unpickling_cache_is_bounded():
+    """A criterion changed every step is pickled anew every step: the workers' cache of unpickled objects
+    (output types, criteria) must keep a bounded number of them, and still give each its object."""
+    import cloudpickle
+
+    from dpool import tree
+
+    blobs = [cloudpickle.dumps(torch.nn.CrossEntropyLoss(label_smoothing=i / 1000)) for i in range(tree._LOAD_CACHE_SIZE + 40)]
+    for i, b in enumerate(blobs):
+        assert tree.load_type(b).label_smoothing == i / 1000
+    assert len(tree._LOAD_CACHE) <= tree._LOAD_CACHE_SIZE
+    assert tree.load_type(blobs[-1]) is tree.load_type(blobs[-1])  # kept while in use
