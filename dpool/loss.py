@@ -92,7 +92,8 @@ class criterion:
 
     def __init__(self, loss: torch.nn.Module, backward_with_loss: bool = True) -> None:
         self.loss = loss
-        self._state: list = []
+        self._attrs: list = []
+        self._values: list[torch.Tensor] = []
         self.payload()  # checks the reduction
         self.backward_with_loss = backward_with_loss
         self._speculate = True  # run the backward with the loss (see the module's note); off after a miss
@@ -102,11 +103,12 @@ class criterion:
 
     def payload(self) -> bytes:
         """The loss pickled for the workers: pickled again when it changed since the last call (an attribute
-        assigned, ``label_smoothing = 0.1``, ``reduction``; a class-weight tensor replaced or changed in
-        place), as a loss the replicas of DataParallel share would follow. Sets :attr:`reduction`."""
-        state = _loss_state(self.loss)
+        assigned, ``label_smoothing = 0.1``, ``reduction``; a class-weight tensor replaced or its values
+        changed, through ``.data`` too), as a loss the replicas of DataParallel share would follow. Sets
+        :attr:`reduction`."""
+        attrs, tensors = _loss_state(self.loss)
         try:
-            same = state == self._state
+            same = attrs == self._attrs and all(map(torch.equal, tensors, self._values))
         except Exception:  # an __eq__ that cannot answer (a tensor attribute replaced): changed
             same = False
         if not same:
@@ -115,7 +117,7 @@ class criterion:
                 raise DpoolValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
             self._bytes = cloudpickle.dumps(self.loss)
             self.reduction: str = reduction
-            self._state = state
+            self._attrs, self._values = attrs, [t.detach().clone() for t in tensors]
         return self._bytes
 
     def __call__(self, output: Any, *targets: Any) -> torch.Tensor:
@@ -124,14 +126,14 @@ class criterion:
         return output._runtime.criterion(output, self, targets)
 
 
-def _loss_state(loss: Any) -> list:
-    """What :meth:`Criterion.payload` compares: every attribute of the loss's modules (by identity, or ``==``)
-    and the in-place version counter of each of its tensors."""
+def _loss_state(loss: Any) -> tuple[list, list[torch.Tensor]]:
+    """What :meth:`Criterion.payload` compares: every attribute of the loss's modules (by identity, or ``==``),
+    its tensors among them, and the tensors' values (a loss's tensors are small: class weights)."""
     if not isinstance(loss, torch.nn.Module):
-        return [loss]
+        return [loss], []
     mods = list(loss.modules())
     tensors = [t for m in mods for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
-    return [v for m in mods for v in m.__dict__.values()] + tensors + [t._version for t in tensors]
+    return [v for m in mods for v in m.__dict__.values()] + tensors, tensors
 
 
 class LossBridge(torch.autograd.Function):

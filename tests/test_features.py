@@ -291,7 +291,7 @@ def test_loss_on_the_workers_equals_full_batch(wrap, loss_fn):
         torch.testing.assert_close(p.grad, rp.grad)
 
 
-@pytest.mark.parametrize("change", ["label_smoothing", "weight_in_place", "weight_replaced", "reduction"])
+@pytest.mark.parametrize("change", ["label_smoothing", "weight_in_place", "weight_data", "weight_replaced", "reduction"])
 def test_a_criterion_changed_after_it_was_made_is_followed(wrap, change):
     """Users schedule their loss (label smoothing warm-up, class weights re-balanced each epoch): the
     workers must compute the loss as it is now, not as it was pickled, both the loss and its backward."""
@@ -309,6 +309,8 @@ def test_a_criterion_changed_after_it_was_made_is_followed(wrap, change):
                     f.label_smoothing = 0.2
                 elif change == "weight_in_place":
                     f.weight.mul_(torch.tensor([2.0, 1.0, 1.0, 0.25], dtype=torch.float64))
+                elif change == "weight_data":  # (.data has a version counter of its own)
+                    f.weight.data[0] = 7.0
                 elif change == "weight_replaced":
                     f.weight = torch.tensor([0.5, 0.5, 4.0, 1.0], dtype=torch.float64)
                 else:
