@@ -45,7 +45,8 @@ from .buffers import BufferCommit
 from .config import Config
 from .cpus import physical_cores
 from .crossnode import FORWARD, CrossNode, CrossNodeReducer
-from .errors import DpoolValueError, UnsupportedError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
+from .errors import (DpoolValueError, UnpicklableModelError, UnsupportedError, WorkerDiedError, WorkerStartError,
+                     WorkerTimeoutError, remote_error)
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
 from .launch import reply_together, wait_spin
 from .layout import Layout
@@ -231,12 +232,23 @@ class Runtime:
         master.changed = False
         self._warn_global_hooks()  # (registering one moves torch's hook handle count: touched() said so)
         changes = master.attribute_changes()
-        if master.same_objects() and not changes:
+        same = master.same_objects()
+        if same and not changes:
+            master.snapshot()
             return  # (a train()/eval() switch: every forward sends the modes)
         what = ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
         log.info("the model changed after wrap() (%s): re-syncing the replicas",
                  what or "its parameters, buffers or submodules")
         started = time.perf_counter()
+        model_bytes = None
+        if same:  # only attributes or hooks changed: pickle first, so that an unpicklable one breaks nothing
+            try:
+                model_bytes = master.pickle()
+            except UnpicklableModelError as exc:
+                raise UnpicklableModelError(
+                    f"{what} changed after dpool.wrap(), and the workers cannot follow: {exc} Nothing was "
+                    "changed, and each forward raises this until that attribute is deleted or picklable (keep "
+                    "loggers, writers and handles outside the model).") from None
         old_region = master.region
         master.unbind()  # what we bound so far gets private memory: the old segment goes
         try:
@@ -246,7 +258,7 @@ class Runtime:
                 self.pool.pass_fds([master.region.fd])  # for workers respawned later
             self.graphs.lose_all()  # earlier graphs referred to the old replicas
             self._slot_gen += 1
-            self._model_bytes = master.pickle()
+            self._model_bytes = model_bytes if model_bytes is not None else master.pickle()
             self._ship(by_name=True)
         except BaseException as exc:
             self.pool.break_pool(f"re-syncing the replicas after a change to the model failed: {exc}")
@@ -867,8 +879,8 @@ class Runtime:
 
     # ------------------------------------------------------------------ misc
     def _follow_numerics(self) -> None:
-        """Give the workers this process's default dtype and deterministic-algorithms setting (they changed,
-        or a worker was restarted)."""
+        """Give the workers this process's default dtype, deterministic-algorithms mode and anomaly detection
+        (they changed, or a worker was restarted)."""
         values = numerics()
         self.call_workers(functools.partial(apply_numerics, values))
         self._sent_numerics = values

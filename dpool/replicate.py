@@ -17,7 +17,7 @@ nn.DataParallel replicates the module on every forward. dpool does it once:
   submodule sets :attr:`Master.changed` through torch's registration hooks;
   any other attribute assigned (``module.scale = 2``, ``dropout.p = 0``) and
   any forward or backward hook added or removed is found by comparing the
-  modules' attributes by identity before each forward (:meth:`Master.touched`).
+  modules' attributes (identity, or ``==``) before each forward (:meth:`Master.touched`).
   In each of these cases the coordinator ships the model again, as
   DataParallel's per-forward replication would pick the change up.
 * :meth:`Master.unbind` gives every tensor private memory again, so the
@@ -240,7 +240,8 @@ class Master:
 
     def attribute_changes(self) -> list[str]:
         """The attributes assigned and the hooks added or removed since the last snapshot, as
-        ``model.sub.attr`` (``training`` left out: every forward sends it); then takes a new snapshot."""
+        ``model.sub.attr`` (``training`` left out: every forward sends it). The snapshot stays: the caller
+        takes a new one once the replicas follow (:meth:`collect` does)."""
         changes = []
         for name, d, saved, hooks in zip(self._module_names, self._dicts, self._saved, self._saved_hooks):
             where = "model" + (f".{name}" if name else "")
@@ -250,7 +251,6 @@ class Master:
             for h, keys in zip(_RUN_HOOKS, hooks):
                 if tuple(d.get(h, ())) != keys:
                     changes.append(f"{where}.{h}")
-        self.snapshot()
         return changes
 
     def same_objects(self) -> bool:

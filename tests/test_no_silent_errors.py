@@ -217,6 +217,24 @@ def test_attributes_and_hooks_changed_after_wrap_are_followed(wrap, change):
         torch.testing.assert_close(model(xs[0]), ref(xs[0]))
 
 
+def test_an_unpicklable_attribute_set_after_wrap_is_named_and_breaks_nothing(wrap):
+    """A logger, writer or lock hung on the model after wrap() cannot be shipped: every forward says which
+    attribute, the pool and the master stay as they were, and deleting it lets training go on."""
+    net = _Knobs()
+    model = wrap(net)
+    x = torch.randn(4, 6)
+    before = model(x).detach()
+    replicas = model.worker_states(id)
+    net.act.lock = threading.Lock()
+    for _ in range(2):  # not once only: the replicas would be stale from then on
+        with pytest.raises(dpool.UnpicklableModelError, match=r"(?s)model\.act\.lock changed after dpool\.wrap\(\).*"
+                                                              r"culprit is model\.act\.lock"):
+            model(x)
+    del net.act.lock
+    torch.testing.assert_close(model(x), before)
+    assert model.worker_states(id) == replicas
+
+
 def test_train_eval_switches_and_hooks_elsewhere_ship_nothing(wrap):
     """The modes travel with every forward, and a hook on a tensor is not the model's: neither re-ships it."""
     net = _Knobs()
