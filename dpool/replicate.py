@@ -199,10 +199,12 @@ class Master:
         self._values = [d.values() for d in self._dicts]  # live views
         self._flat = list(itertools.chain.from_iterable(self._values))
         self._saved = [dict(d) for d in self._dicts]
-        self._hook_dicts = [d[h] for d in self._dicts for h in _RUN_HOOKS if h in d]
-        self._saved_hooks = [[tuple(d.get(h, ())) for h in _RUN_HOOKS] for d in self._dicts]
-        self._nhooks = sum(map(len, self._hook_dicts))
+        self._where = ["model" + (f".{n}" if n else "") for n in self._module_names]
+        hooks = [(d[h], f"{w}.{h}") for d, w in zip(self._dicts, self._where) for h in _RUN_HOOKS if h in d]
+        self._hook_dicts = [d for d, _ in hooks]  # (a dict rebound later is an attribute change)
+        self._hook_names = [n for _, n in hooks]
         self._hook_keys = list(map(tuple, self._hook_dicts))
+        self._nhooks = sum(map(len, self._hook_keys))
         self._next_handle = RemovableHandle.next_id
 
     def touched(self) -> bool:
@@ -243,14 +245,12 @@ class Master:
         ``model.sub.attr`` (``training`` left out: every forward sends it). The snapshot stays: the caller
         takes a new one once the replicas follow (:meth:`collect` does)."""
         changes = []
-        for name, d, saved, hooks in zip(self._module_names, self._dicts, self._saved, self._saved_hooks):
-            where = "model" + (f".{name}" if name else "")
+        for where, d, saved in zip(self._where, self._dicts, self._saved):
             for key in sorted(d.keys() | saved.keys()):
                 if key not in _SENT_EACH_FORWARD and d.get(key, _MISSING) is not saved.get(key, _MISSING):
                     changes.append(f"{where}.{key}")
-            for h, keys in zip(_RUN_HOOKS, hooks):
-                if tuple(d.get(h, ())) != keys:
-                    changes.append(f"{where}.{h}")
+        changes += [name for name, d, keys in zip(self._hook_names, self._hook_dicts, self._hook_keys)
+                    if tuple(d) != keys]
         return changes
 
     def same_objects(self) -> bool:
