@@ -7,7 +7,7 @@ target)`` scatters the targets the same way, computes the loss on each worker, a
 the full-batch loss: each shard reports its loss with ``reduction="sum"`` and the number the
 mean divides by (rows, elements, or the sum of class weights), and the coordinator divides the
 totals, so unequal shards, class weights and ``ignore_index`` give exactly the single-process
-value. ``loss.backward()`` backpropagates on the workers from their shard losses.
+value. A loss that does not split so is an error, not a wrong number (see :func:`split_loss`). ``loss.backward()`` backpropagates on the workers from their shard losses.
 
 *The backward right after the loss.* ``loss.backward()`` gives each shard's loss the gradient
 ``1 / denominator`` (``1`` for ``reduction="sum"``). When the coordinator can compute that number
@@ -76,7 +76,10 @@ class criterion:
     """Wrap a loss module so that it runs on the workers, next to the outputs.
 
     Args:
-        loss (nn.Module): e.g. ``nn.CrossEntropyLoss()``; ``reduction`` must be ``"mean"`` or ``"sum"``.
+        loss (nn.Module): e.g. ``nn.CrossEntropyLoss()``; its ``reduction`` attribute must be ``"mean"`` or
+            ``"sum"``, and its forward must honour it. A loss outside ``torch.nn``'s (a subclass, your own) is
+            checked on the workers, and one that does not split over shards exactly (``CTCLoss``) raises
+            ``ValueError`` (see :func:`split_loss`).
         backward_with_loss (bool): let the workers run ``loss.backward()``'s backward in the same round as
             the loss when they can tell its gradient in advance (see the module's note), which saves a round
             per step and gives the same numbers. ``False`` always backpropagates in a round of its own: for
@@ -112,7 +115,15 @@ class criterion:
         except Exception:  # an __eq__ that cannot answer (a tensor attribute replaced): changed
             same = False
         if not same:
-            reduction = getattr(self.loss, "reduction", "mean")
+            reduction = getattr(self.loss, "reduction", None)
+            if reduction is None:
+                raise DpoolValueError(
+                    f"dpool.criterion({type(self.loss).__name__}) needs a loss with a `reduction` attribute "
+                    f"('mean' or 'sum') that its forward honours, as torch.nn's losses have: each worker computes "
+                    f"its shard's loss with reduction='sum' and the coordinator divides the totals, and a loss "
+                    f"that always returns its shard's mean would give a mean of the shards' means, which is not "
+                    f"the batch's mean when the shards are unequal. Give the loss module `self.reduction` and "
+                    f"honour it, or compute the loss on the gathered output: loss_fn(out.gather(), target).")
             if reduction not in ("mean", "sum"):
                 raise DpoolValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
             self._bytes = cloudpickle.dumps(self.loss)
@@ -251,6 +262,119 @@ class _LossBox:
         self.param_idx = param_idx  # the parameters LossBridge takes as inputs, by index
 
 
+# Losses whose summed loss is the sum of their unreduced loss, and whose mean is that sum divided by
+# :func:`target_denominator`, or else by the unreduced loss's number of elements. Exact types: a subclass may
+# compute otherwise, so :func:`split_loss` checks it on every shard. (``CTCLoss`` is not one: its mean divides
+# each sample's loss by its target length first.)
+_SPLITS_EXACTLY = frozenset((
+    *_ELEMENTWISE, torch.nn.CrossEntropyLoss, torch.nn.NLLLoss, torch.nn.KLDivLoss, torch.nn.PoissonNLLLoss,
+    torch.nn.GaussianNLLLoss, torch.nn.MultiLabelSoftMarginLoss, torch.nn.MultiLabelMarginLoss,
+    torch.nn.MultiMarginLoss, torch.nn.HingeEmbeddingLoss, torch.nn.CosineEmbeddingLoss, torch.nn.MarginRankingLoss,
+    torch.nn.TripletMarginLoss, torch.nn.TripletMarginWithDistanceLoss))
+
+
+def _reduced_as(loss_fn: Any, reduction: str, cache: dict[tuple[int, str], tuple[Any, Any]]) -> Any:
+    """A shallow copy of ``loss_fn`` with ``reduction``; made once per loss module (the worker keeps the
+    unpickled criterion, so the same object comes every step) and kept in ``cache``."""
+    if getattr(loss_fn, "reduction", None) == reduction:
+        return loss_fn
+    got = cache.get((id(loss_fn), reduction))
+    if got is None or got[0] is not loss_fn:
+        import copy
+
+        other = copy.copy(loss_fn)
+        other.reduction = reduction
+        got = _remember(cache, (id(loss_fn), reduction), (loss_fn, other))
+    return got[1]
+
+
+def _remember(cache: dict, key: tuple, value: tuple) -> tuple:
+    """``cache[key] = value``, emptying ``cache`` first when it is full: a loss changed every step arrives as
+    a new object every step, and the entries hold the objects."""
+    if len(cache) >= 256:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def split_loss(loss_fn: Any, out: Any, args: tuple,
+               cache: dict[tuple[int, str], tuple[Any, Any]]) -> tuple[torch.Tensor, float]:
+    """A shard's part of the batch's loss (on a worker): its loss with ``reduction="sum"``, and what a mean
+    divides it by (``1.0`` for a sum), so that the coordinator's ``sum(totals) / sum(denominators)`` equals
+    the full-batch loss exactly, class weights and ``ignore_index`` included.
+
+    For a loss outside ``torch.nn``'s that are known to split so (a subclass, a loss of your own), it checks
+    that this shard's loss does, at its first 4 calls on this worker and one call in 32 after that, at the
+    cost of one more computation of the loss then (without autograd): its
+    ``"mean"`` loss times the denominator is its ``"sum"`` loss; where its ``reduction="none"`` loss is
+    computed (the denominator is its size, or a sum), it has a value per sample or element and sums to the
+    ``"sum"`` loss. Otherwise it raises ``ValueError`` instead of returning a loss that is not the batch's:
+    a forward that ignores ``self.reduction`` gives a mean of the shards' means; ``CTCLoss``'s mean divides
+    by target lengths.
+    """
+    reduction = getattr(loss_fn, "reduction", None)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
+    total = _reduced_as(loss_fn, "sum", cache)(out, *args)
+    denom = target_denominator(loss_fn, args) if reduction == "mean" else 1.0
+    check = type(loss_fn) not in _SPLITS_EXACTLY and _check_due(loss_fn, cache)
+    if not check and denom is not None:
+        return total, denom
+    with torch.no_grad():  # one more loss computation where it is checked: the mean's, or the unreduced
+        none = _reduced_as(loss_fn, "none", cache)(out, *args) if denom is None or reduction == "sum" else None
+        if check:
+            _check_split(loss_fn, reduction, total, none, denom, out, args)
+    if denom is None:
+        assert none is not None
+        denom = float(none.numel())
+    return total, denom
+
+
+_CHECK_FIRST, _CHECK_EVERY = 4, 32
+
+
+def _check_due(loss_fn: Any, cache: dict) -> bool:
+    """Whether :func:`split_loss` checks this call of ``loss_fn``: its first ``_CHECK_FIRST`` calls on this
+    worker (a loss changed on the coordinator arrives as a new object), then one in ``_CHECK_EVERY``."""
+    got = cache.get((id(loss_fn), "calls"))
+    n = got[1] if got is not None and got[0] is loss_fn else 0
+    _remember(cache, (id(loss_fn), "calls"), (loss_fn, n + 1))
+    return n < _CHECK_FIRST or n % _CHECK_EVERY == 0
+
+
+def _check_split(loss_fn: Any, reduction: str, total: Any, none: Any, denom: float | None, out: Any,
+                 args: tuple) -> None:
+    name = type(loss_fn).__name__
+    advice = (f"dpool computes each shard's loss with reduction='sum' and divides the shards' totals by what "
+              f"the mean divides by, so {name}'s forward must honour self.reduction ('sum', 'none', 'mean'), "
+              f"and its mean must be its sum over its samples or elements (or over the class weights of "
+              f"CrossEntropyLoss' targets). Otherwise compute the loss on the gathered output: "
+              f"loss_fn(out.gather(), target), or dpool.wrap(..., gather=True).")
+    if not isinstance(total, torch.Tensor) or total.dim() != 0:
+        raise ValueError(f"dpool.criterion({name}) with reduction='sum' must return a 0-dim tensor, not "
+                         f"{type(total).__name__} {tuple(getattr(total, 'shape', ()))}. {advice}")
+    checks = []
+    if none is not None:
+        if not isinstance(none, torch.Tensor) or none.dim() == 0:
+            raise ValueError(f"dpool.criterion({name}) with reduction='none' returned one value for the whole "
+                             f"shard instead of one per sample: it does not honour self.reduction, so the shards' "
+                             f"losses cannot be combined into the batch's exactly. {advice}")
+        checks.append(("the sum of its reduction='none' loss", none.sum()))
+        if denom is None:
+            denom = float(none.numel())
+    if reduction == "mean":
+        checks.append((f"its reduction='mean' loss times {denom:g} (what its mean divides by)",
+                       loss_fn(out, *args) * denom))
+    eps = torch.finfo(total.dtype).eps if total.dtype.is_floating_point else 0.0
+    rtol = max(1e-4, 16 * eps)
+    value = float(total)
+    for what, got in checks:
+        other = float(got)
+        if not abs(value - other) <= rtol * max(abs(value), abs(other)) + 1e-12:
+            raise ValueError(f"dpool.criterion({name}) does not split over shards: on this shard its "
+                             f"reduction='sum' loss is {value:.6g}, but {what} is {other:.6g}. {advice}")
+
+
 def target_denominator(loss_fn: Any, targets: tuple) -> float | None:
     """What a mean-reduced ``loss_fn`` divides a shard's summed loss by, when the targets alone decide it:
     ``CrossEntropyLoss``/``NLLLoss`` with class indices (the rows not ``ignore_index``, or the sum of their
@@ -274,7 +398,9 @@ def combine(runtime: "Runtime", handle: ShardedOutput, replies: list, dtype: tor
     """The full-batch loss from the shards' (sum, denominator) replies, differentiable."""
     total = sum(r.value for r in replies)
     denom = sum(r.denom for r in replies) if reduction == "mean" else 1.0
-    value = torch.tensor(total / denom if denom else total, dtype=dtype, device=runtime.output_device)
+    # a mean over nothing (every target ignored) is nan, as in one process; its gradients stay zero
+    value = torch.tensor(total / denom if denom else (math.nan if reduction == "mean" else total), dtype=dtype,
+                         device=runtime.output_device)
     box = _LossBox(runtime, handle, value, denom if denom else 1.0, [r.index for r in replies], guess, crit,
                    param_idx)
     grad_inputs = handle._diff_inputs + [runtime.params[i] for i in box.param_idx]

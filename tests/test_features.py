@@ -291,6 +291,118 @@ def test_loss_on_the_workers_equals_full_batch(wrap, loss_fn):
         torch.testing.assert_close(p.grad, rp.grad)
 
 
+def _torch_losses(n: int) -> list:
+    """(loss module, targets) for every torch.nn loss that takes a batch of outputs, with ``n`` rows."""
+    f64 = dict(dtype=torch.float64)
+    w = torch.tensor([1.0, 3.0, 0.5, 2.0, 0.25], **f64)
+    ones = lambda *shape: torch.randint(0, 2, shape, **f64) * 2 - 1  # noqa: E731  (targets of ±1)
+    return [
+        (nn.CrossEntropyLoss(weight=w, ignore_index=2, label_smoothing=0.1), (torch.randint(0, 5, (n,)),)),
+        (nn.CrossEntropyLoss(weight=w), (torch.softmax(torch.randn(n, 5, **f64), 1),)),  # class probabilities
+        (nn.NLLLoss(reduction="sum"), (torch.randint(0, 5, (n,)),)),
+        (nn.KLDivLoss(reduction="mean"), (torch.softmax(torch.randn(n, 5, **f64), 1),)),
+        (nn.PoissonNLLLoss(full=True), (torch.rand(n, 5, **f64) * 3,)),
+        (nn.GaussianNLLLoss(), (torch.randn(n, 5, **f64), torch.rand(n, 1, **f64) + 0.1)),
+        (nn.MultiLabelSoftMarginLoss(weight=w), (torch.randint(0, 2, (n, 5), **f64),)),
+        (nn.MultiLabelMarginLoss(), (torch.randint(-1, 5, (n, 5)),)),
+        (nn.MultiMarginLoss(p=2, weight=w), (torch.randint(0, 5, (n,)),)),
+        (nn.HingeEmbeddingLoss(), (ones(n, 5),)),
+        (nn.SoftMarginLoss(), (ones(n, 5),)),
+        (nn.BCEWithLogitsLoss(pos_weight=w), (torch.rand(n, 5, **f64),)),
+        (nn.HuberLoss(delta=0.5), (torch.randn(n, 5, **f64),)),
+        (nn.L1Loss(reduction="sum"), (torch.randn(n, 5, **f64),)),
+        (nn.CosineEmbeddingLoss(margin=0.1), (torch.randn(n, 5, **f64), ones(n))),
+        (nn.MarginRankingLoss(margin=0.2), (torch.randn(n, 5, **f64), ones(n, 5))),
+        (nn.TripletMarginLoss(), (torch.randn(n, 5, **f64), torch.randn(n, 5, **f64))),
+        (nn.TripletMarginWithDistanceLoss(margin=0.3), (torch.randn(n, 5, **f64), torch.randn(n, 5, **f64))),
+    ]
+
+
+class _Subclassed:
+    """Makes a subclass of a loss's type that changes nothing: dpool checks such a loss on every shard."""
+
+    @staticmethod
+    def of(loss_fn: nn.Module) -> nn.Module:
+        sub = type(f"My{type(loss_fn).__name__}", (type(loss_fn),), {})
+        other = sub.__new__(sub)
+        other.__dict__.update(copy.deepcopy(loss_fn).__dict__)
+        return other
+
+
+class _IgnoresReduction(nn.Module):
+    reduction = "mean"
+
+    def forward(self, out, target):
+        return nn.functional.cross_entropy(out, target)  # always the shard's mean
+
+
+class _NoReduction(nn.Module):
+    def forward(self, out, target):
+        return nn.functional.cross_entropy(out, target)
+
+
+class _WithPenalty(nn.CrossEntropyLoss):
+    def forward(self, out, target):
+        return super().forward(out, target) + 0.1 * out.pow(2).mean()  # a mean whatever self.reduction says
+
+
+class _BatchFirstCTC(nn.CTCLoss):
+    def forward(self, log_probs, targets, input_lengths, target_lengths):
+        return super().forward(log_probs.log_softmax(-1).transpose(0, 1), targets, input_lengths, target_lengths)
+
+
+@pytest.mark.filterwarnings("ignore:reduction. 'mean'")  # KLDivLoss's advice to use 'batchmean'
+def test_a_criterion_gives_the_batch_loss_for_every_torch_loss_or_a_clear_error(wrap):
+    """Each worker computes its shard's loss with reduction='sum' and the coordinator divides by the summed
+    denominators: exact for torch.nn's losses, also on unequal shards, also for their subclasses (checked on
+    every shard). A loss that does not split so (its forward ignores `reduction`, a term that is a mean
+    whatever it says, CTCLoss's division by target lengths) used to give a mean of the shards' means or a
+    wrong sum silently; now it is an error that says so, and the pool and the master are untouched."""
+    torch.manual_seed(0)
+    net = models.MLP(d_in=6, d_out=5).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * 2, gather=False)
+    x = torch.randn(7, 6, dtype=torch.float64)  # 7 rows on 2 workers: shards of 4 and 3
+    for loss_fn, targets in _torch_losses(7):
+        for fn in (loss_fn, _Subclassed.of(loss_fn)):
+            name = type(fn).__name__
+            loss, rloss = dpool.criterion(fn)(model(x), *targets), copy.deepcopy(fn)(ref(x), *targets)
+            torch.testing.assert_close(loss, rloss, msg=lambda m: f"{name}: {m}")
+            loss.backward()
+            rloss.backward()
+            for p, rp in zip(net.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"{name}: {m}")
+                p.grad, rp.grad = None, None
+
+    for bad in (_NoReduction(), lambda out, target: nn.functional.cross_entropy(out, target)):
+        with pytest.raises(dpool.DpoolValueError, match="needs a loss with a `reduction` attribute"):
+            dpool.criterion(bad)
+    y = torch.randint(0, 5, (7,))
+    with pytest.raises(ValueError, match=r"_IgnoresReduction\) with reduction='none' returned one value") as info:
+        dpool.criterion(_IgnoresReduction())(model(x), y)
+    assert "out.gather()" in str(info.value) and info.value.worker in (0, 1)
+    with pytest.raises(ValueError, match=r"_WithPenalty\) does not split over shards"):
+        dpool.criterion(_WithPenalty())(model(x), y)
+    ctc = (torch.randint(1, 5, (7, 3)), torch.full((7,), 7), torch.randint(1, 4, (7,)))
+    with pytest.raises(ValueError, match=r"_BatchFirstCTC\) does not split over shards"):
+        dpool.criterion(_BatchFirstCTC())(model(x.unsqueeze(1).expand(7, 7, 6)), *ctc)
+    # the loss on the gathered output, as the errors advise, is CTCLoss's own mean
+    torch.testing.assert_close(_BatchFirstCTC()(model(x.unsqueeze(1).expand(7, 7, 6)).gather(), *ctc),
+                               _BatchFirstCTC()(ref(x.unsqueeze(1).expand(7, 7, 6)), *ctc))
+    assert all(p.grad is None for p in net.parameters())  # the master is untouched
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(p, rp)
+
+    # a mean over no target at all is nan in one process, with zero gradients: the same here
+    ignored = torch.full((7,), -100)
+    loss, rloss = dpool.criterion(nn.CrossEntropyLoss())(model(x), ignored), nn.CrossEntropyLoss()(ref(x), ignored)
+    assert loss.isnan() and rloss.isnan()
+    loss.backward()
+    rloss.backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, rp.grad) and not p.grad.any()
+
+
 @pytest.mark.parametrize("change", ["label_smoothing", "weight_in_place", "weight_data", "weight_replaced", "reduction"])
 def test_a_criterion_changed_after_it_was_made_is_followed(wrap, change):
     """Users schedule their loss (label smoothing warm-up, class weights re-balanced each epoch): the

@@ -385,3 +385,20 @@ def test_the_workers_unpickling_cache_is_bounded():
         assert tree.load_type(b).label_smoothing == i / 1000
     assert len(tree._LOAD_CACHE) <= tree._LOAD_CACHE_SIZE
     assert tree.load_type(blobs[-1]) is tree.load_type(blobs[-1])  # kept while in use
+
+
+def test_the_workers_copies_of_losses_are_bounded():
+    """The copies of each loss with another reduction (and the check counts) are kept per loss object, and a
+    criterion changed every step arrives as a new object every step: they must not pile up either."""
+    from dpool.loss import split_loss
+
+    class Smoothed(torch.nn.CrossEntropyLoss):
+        pass
+
+    cache: dict = {}
+    out, y = torch.randn(6, 4), torch.randint(0, 4, (6,))
+    for i in range(300):
+        fn = Smoothed(label_smoothing=i / 1000)
+        total, denom = split_loss(fn, out, (y,), cache)
+        torch.testing.assert_close(total / denom, torch.nn.CrossEntropyLoss(label_smoothing=i / 1000)(out, y))
+        assert len(cache) <= 256

@@ -40,7 +40,7 @@ import cloudpickle
 import torch
 
 from dpool import tree as _tree
-from dpool.loss import target_denominator
+from dpool.loss import split_loss
 from dpool import protocol as P
 from dpool.tensors import DTYPES, Placer, check_tensor, from_bytes, meta_nbytes, read
 from dpool.transport import attach
@@ -73,32 +73,6 @@ def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         torch.autograd.backward(roots, grads, retain_graph=True)
         return
     engine.run_backward(tuple(roots), tuple(grads), True, False, (), allow_unreachable=True, accumulate_grad=True)
-
-
-def _reduced_as(loss_fn: Any, reduction: str, cache: dict[tuple[int, str], tuple[Any, Any]]) -> Any:
-    """A shallow copy of ``loss_fn`` with ``reduction``; made once per loss module (the worker keeps the
-    unpickled criterion, so the same object comes every step) and kept in ``cache``."""
-    got = cache.get((id(loss_fn), reduction))
-    if got is None or got[0] is not loss_fn:
-        import copy
-
-        other = copy.copy(loss_fn)
-        other.reduction = reduction
-        got = cache[(id(loss_fn), reduction)] = (loss_fn, other)
-    return got[1]
-
-
-def _sum_and_denominator(loss_fn: Any, out: Any, args: tuple,
-                         cache: dict[tuple[int, str], tuple[Any, Any]]) -> tuple[torch.Tensor, float]:
-    """The shard's loss with ``reduction="sum"`` and what the mean divides by, so that the
-    coordinator's ``sum(totals) / sum(denominators)`` equals the full-batch mean exactly
-    (class weights and ``ignore_index`` included)."""
-    total = _reduced_as(loss_fn, "sum", cache)(out, *args)
-    denom = target_denominator(loss_fn, args)
-    if denom is None:
-        with torch.no_grad():
-            denom = float(_reduced_as(loss_fn, "none", cache)(out, *args).numel())
-    return total, denom
 
 
 class _NotSpeculable(Exception):
@@ -623,14 +597,8 @@ class Replica:
         tensors = [read(inp.views, m) for m in msg.tensors]
         args = _tree.unflatten(msg.tree, tensors.__getitem__)
         loss_fn = _tree.load_type(msg.fn)  # cached: the same criterion is sent every step
-        reduction = getattr(loss_fn, "reduction", "mean")
         with torch.set_grad_enabled(any(t.requires_grad for t in call.outputs)):
-            if reduction == "sum":
-                total, denom = loss_fn(call.out, *args), 1.0
-            elif reduction == "mean":
-                total, denom = _sum_and_denominator(loss_fn, call.out, args, self._reduced)
-            else:
-                raise ValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
+            total, denom = split_loss(loss_fn, call.out, args, self._reduced)
         call.outputs.append(total)
         done = self._speculate(msg, call, total) if msg.seed else None
         self.stage = "idle"
