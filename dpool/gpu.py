@@ -13,18 +13,28 @@ from typing import Any, Sequence
 import torch
 
 from .errors import WorkerStartError
+from .replicate import fp32_precision, set_fp32_precision
 
 __all__ = ["backend_flags", "apply_backend_flags", "sticky_error", "CONTEXT_BYTES", "shortfall", "check_free_memory",
            "memory_report"]
 
 
+_CUDA_PRECISION_OPS = (("cuda", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"))
+
+
 def backend_flags() -> tuple:
     """This process's numerics settings that change results on a GPU (TF32, cuDNN's choices).
 
-    Workers follow the coordinator's, as replicas in nn.DataParallel's one process do.
+    Workers follow the coordinator's, as replicas in nn.DataParallel's one process do. TF32 is read per
+    operation where torch has its newer API (``torch.backends.cuda.matmul.fp32_precision = "tf32"``), whose
+    use makes the legacy getters (``torch.get_float32_matmul_precision()``) raise.
     """
     cudnn = torch.backends.cudnn
-    return (torch.get_float32_matmul_precision(), cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark,
+    if _new_precision_api():
+        tf32: tuple = fp32_precision(_CUDA_PRECISION_OPS)
+    else:
+        tf32 = (torch.get_float32_matmul_precision(), cudnn.allow_tf32)
+    return (tf32, cudnn.deterministic, cudnn.benchmark,
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
 
@@ -32,10 +42,18 @@ def backend_flags() -> tuple:
 def apply_backend_flags(flags: tuple, _model: Any = None) -> None:
     """Set :func:`backend_flags` in this (worker) process."""
     cudnn = torch.backends.cudnn
-    torch.set_float32_matmul_precision(flags[0])
-    cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = flags[1], flags[2], flags[3]
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = flags[4]
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flags[5]
+    if _new_precision_api():
+        set_fp32_precision(_CUDA_PRECISION_OPS, flags[0])
+    else:
+        torch.set_float32_matmul_precision(flags[0][0])
+        cudnn.allow_tf32 = flags[0][1]
+    cudnn.deterministic, cudnn.benchmark = flags[1], flags[2]
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = flags[3]
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flags[4]
+
+
+def _new_precision_api() -> bool:
+    return hasattr(torch._C, "_get_fp32_precision_getter")
 
 
 _STICKY = ("device-side assert", "illegal memory access", "unspecified launch failure", "misaligned address",

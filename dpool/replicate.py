@@ -44,17 +44,47 @@ from .tensors import dense_strides
 __all__ = ["Master", "numerics", "apply_numerics", "DEFAULT_NUMERICS"]
 
 
+# torch's float32 precision settings (torch >= 2.9): "ieee", "tf32", "bf16", or "none" (the parent's), per
+# (backend, operation). torch.set_float32_matmul_precision("medium") sets them too; on a CPU with AVX512-BF16
+# or AMX, "bf16" for mkldnn makes float32 matmuls and convolutions compute in bf16. Read through torch._C: the
+# torch.backends attributes cost 0.7 us each, and the legacy getter raises once the new API has been used.
+_GET_PRECISION = getattr(torch._C, "_get_fp32_precision_getter", None)
+_SET_PRECISION = getattr(torch._C, "_set_fp32_precision_setter", None)
+CPU_PRECISION_OPS = (("generic", "all"), ("mkldnn", "all"), ("mkldnn", "matmul"), ("mkldnn", "conv"),
+                     ("mkldnn", "rnn"))
+
+
+def fp32_precision(ops: tuple) -> tuple:
+    """The float32 precision of each ``(backend, operation)`` in ``ops`` (torch < 2.9: the matmul precision)."""
+    if _GET_PRECISION is None:
+        return (torch.get_float32_matmul_precision(),)
+    return tuple(itertools.starmap(_GET_PRECISION, ops))
+
+
+def set_fp32_precision(ops: tuple, values: tuple) -> None:
+    """Set what :func:`fp32_precision` read (parents first, so every child gets its own value)."""
+    if _SET_PRECISION is None:
+        torch.set_float32_matmul_precision(values[0])
+        return
+    for (backend, op), value in zip(ops, values):
+        _SET_PRECISION(backend, op, value)
+
+
 def numerics() -> tuple:
     """This process's settings that change what a forward or backward computes on any device: the default
     dtype (what ``torch.tensor(0.1)`` or ``torch.arange(n) * 0.5`` inside a forward make), deterministic
-    algorithms, and autograd's anomaly detection. Workers follow the coordinator's, as nn.DataParallel's
-    replicas in its one process do (the CUDA ones: :func:`dpool.gpu.backend_flags`)."""
+    algorithms, autograd's anomaly detection, and the float32 precision of the CPU's matmuls, convolutions
+    and RNNs (``torch.set_float32_matmul_precision``, ``torch.backends.mkldnn.matmul.fp32_precision``).
+    Workers follow the coordinator's, as nn.DataParallel's replicas in its one process do (the CUDA ones:
+    :func:`dpool.gpu.backend_flags`)."""
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(), torch.is_anomaly_enabled(),
-            torch.is_anomaly_check_nan_enabled())
+            torch.is_anomaly_check_nan_enabled(), fp32_precision(CPU_PRECISION_OPS))
 
 
-DEFAULT_NUMERICS = (torch.float32, False, False, False, True)  # what a new worker process has
+# what a new worker process has
+DEFAULT_NUMERICS = (torch.float32, False, False, False, True,
+                    ("highest",) if _GET_PRECISION is None else ("none",) * len(CPU_PRECISION_OPS))
 
 
 def apply_numerics(values: tuple, _model: Any = None) -> None:
@@ -62,6 +92,7 @@ def apply_numerics(values: tuple, _model: Any = None) -> None:
     torch.set_default_dtype(values[0])
     torch.use_deterministic_algorithms(values[1], warn_only=values[2])
     torch.autograd.set_detect_anomaly(values[3], check_nan=values[4])
+    set_fp32_precision(CPU_PRECISION_OPS, values[5])
 
 
 class _Pickler(cloudpickle.Pickler):

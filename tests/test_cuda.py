@@ -347,6 +347,19 @@ def test_workers_follow_tf32_and_cudnn_settings(wrap):
         model(torch.randn(4, 12, device=DEV))
         seen = model.worker_states(gpu_numerics)
         assert seen == [(tf32, "high" if tf32 else "highest")] * 2
+    # torch's newer per-operation API: using it made the legacy getters dpool read raise at every forward
+    from dpool.gpu import _CUDA_PRECISION_OPS
+    from dpool.replicate import fp32_precision, set_fp32_precision
+
+    saved = fp32_precision(_CUDA_PRECISION_OPS)
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        model(torch.randn(4, 12, device=DEV))
+        assert model.worker_states(lambda r: fp32_precision(_CUDA_PRECISION_OPS)) == \
+            [fp32_precision(_CUDA_PRECISION_OPS)] * 2
+    finally:
+        set_fp32_precision(_CUDA_PRECISION_OPS, saved)
 
 
 def test_master_on_another_device_is_refused():

@@ -330,6 +330,61 @@ def test_the_default_dtype_and_deterministic_mode_reach_the_workers(wrap, when):
     torch.testing.assert_close(model(x), ref(x))  # and back
 
 
+def test_the_float32_precision_reaches_the_workers(wrap):
+    """torch.set_float32_matmul_precision("medium"), or torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    (torch's newer API, whose use makes the legacy getter raise), lets a CPU with AVX512-BF16 or AMX compute
+    float32 matmuls with bf16. DataParallel's replicas, in its one process, follow it; the workers ignored
+    it (a difference of 6e-7 here) and must follow it. Their settings are read back, and the outputs equal
+    the coordinator's on the same shards bitwise."""
+    from dpool.gpu import _CUDA_PRECISION_OPS
+    from dpool.replicate import CPU_PRECISION_OPS, fp32_precision, set_fp32_precision
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    x = torch.randn(8, 256)
+    saved = fp32_precision(CPU_PRECISION_OPS), fp32_precision(_CUDA_PRECISION_OPS)
+    try:
+        for setting in ("legacy", "new", "back"):
+            set_fp32_precision(CPU_PRECISION_OPS, saved[0])
+            if setting == "legacy":
+                torch.set_float32_matmul_precision("medium")
+            elif setting == "new":
+                torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+            out = model(x)
+            assert model.worker_states(lambda r: fp32_precision(CPU_PRECISION_OPS)) == \
+                [fp32_precision(CPU_PRECISION_OPS)] * 2, setting
+            assert (fp32_precision(CPU_PRECISION_OPS)[2] == "bf16") == (setting != "back")
+            torch.testing.assert_close(out, torch.cat([ref(x[:4]), ref(x[4:])]), rtol=0, atol=0,
+                                       msg=lambda m: f"{setting}: {m}")
+    finally:
+        set_fp32_precision(CPU_PRECISION_OPS, saved[0])
+        set_fp32_precision(_CUDA_PRECISION_OPS, saved[1])
+
+
+def test_the_gpu_settings_are_read_after_torchs_newer_precision_api_was_used():
+    """A GPU pool reads the coordinator's TF32 settings before each forward. It read them through
+    torch.get_float32_matmul_precision(), which raises once torch.backends.cuda.matmul.fp32_precision (the
+    API torch's docs now advise) has been set: every forward of a GPU pool failed. These are plain process
+    settings, read and written the same way on a CPU-only machine."""
+    from dpool.gpu import _CUDA_PRECISION_OPS, apply_backend_flags, backend_flags
+    from dpool.replicate import fp32_precision, set_fp32_precision
+
+    saved, before = fp32_precision(_CUDA_PRECISION_OPS), backend_flags()
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        flags = backend_flags()
+        assert flags != before and flags[0] == fp32_precision(_CUDA_PRECISION_OPS)
+        apply_backend_flags(before)
+        assert backend_flags() == before
+        apply_backend_flags(flags)
+        assert backend_flags() == flags and torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        set_fp32_precision(_CUDA_PRECISION_OPS, saved)
+
+
 class _NaNBackward(nn.Module):
     """A finite forward whose backward makes a NaN (sqrt's gradient at 0 is inf, times 0)."""
 
