@@ -17,7 +17,8 @@ nn.DataParallel replicates the module on every forward. dpool does it once:
   submodule sets :attr:`Master.changed` through torch's registration hooks;
   any other attribute assigned (``module.scale = 2``, ``dropout.p = 0``) and
   any forward or backward hook added or removed is found by comparing the
-  modules' attributes (identity, or ``==``) before each forward (:meth:`Master.touched`).
+  modules' attributes (identity, or ``==``) before each forward (:meth:`Master.touched`), and
+  a tensor kept as a plain attribute and changed in place by its version counter.
   In each of these cases the coordinator ships the model again, as
   DataParallel's per-forward replication would pick the change up.
 * :meth:`Master.unbind` gives every tensor private memory again, so the
@@ -237,6 +238,14 @@ class Master:
         self._hook_keys = list(map(tuple, self._hook_dicts))
         self._nhooks = sum(map(len, self._hook_keys))
         self._next_handle = RemovableHandle.next_id
+        # tensors kept as plain attributes (``self.mask = torch.tril(...)``, not buffers) travel by value, so
+        # an in-place change (``model.mask[0] = 0``, ``model.temperature.fill_(2)``) must ship them again:
+        # their version counters say so (inference tensors have none, and cannot change outside inference)
+        tensors = [(f"{w}.{k}", v) for w, d in zip(self._where, self._dicts) for k, v in d.items()
+                   if isinstance(v, torch.Tensor) and not v.is_inference()]
+        self._tensor_names = [n for n, _ in tensors]
+        self._tensors = [t for _, t in tensors]
+        self._versions = [t._version for t in self._tensors]
 
     def touched(self) -> bool:
         """Whether an attribute of a module may have been assigned, or a hook added or removed, since the
@@ -250,6 +259,8 @@ class Master:
         unchanged: the replicas' copy behaves the same.
         """
         if sum(map(len, self._hook_dicts)) != self._nhooks:
+            return True
+        if self._tensors and [t._version for t in self._tensors] != self._versions:
             return True
         try:
             if list(itertools.chain.from_iterable(self._values)) != self._flat:
@@ -282,6 +293,8 @@ class Master:
                     changes.append(f"{where}.{key}")
         changes += [name for name, d, keys in zip(self._hook_names, self._hook_dicts, self._hook_keys)
                     if tuple(d) != keys]
+        changes += [f"{name} (changed in place)" for name, t, version in
+                    zip(self._tensor_names, self._tensors, self._versions) if t._version != version]
         return changes
 
     def same_objects(self) -> bool:

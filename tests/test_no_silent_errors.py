@@ -164,13 +164,14 @@ class _Knobs(nn.Module):
         self.drop = nn.Dropout(1.0)  # all zeros: deterministic, as p=0 is
         self.out = nn.Linear(8, 3)
         self.scale = 1.0
+        self.gain = torch.ones(3)  # a plain tensor attribute, not a buffer
 
     def forward(self, x):
-        return self.out(self.drop(self.act(self.lin(x))) + self.act(self.lin(x))) * self.scale
+        return self.out(self.drop(self.act(self.lin(x))) + self.act(self.lin(x))) * self.scale * self.gain
 
 
 @pytest.mark.parametrize("change", ["attribute", "dropout_p", "forward_hook", "forward_pre_hook",
-                                    "backward_pre_hook", "hook_removed"])
+                                    "backward_pre_hook", "hook_removed", "tensor_in_place"])
 def test_attributes_and_hooks_changed_after_wrap_are_followed(wrap, change):
     """DataParallel's replicas share the master's attributes and hooks, so `model.scale = 0.5`,
     `dropout.p = 0` or a hook registered (or removed) after wrapping take effect at the next forward.
@@ -201,6 +202,8 @@ def test_attributes_and_hooks_changed_after_wrap_are_followed(wrap, change):
             m.out.register_full_backward_pre_hook(lambda mod, go: (go[0] * 3,))
         elif change == "hook_removed":  # registered before wrap()
             handles[i].remove()
+        elif change == "tensor_in_place":  # DataParallel's replicas share the tensor object itself
+            m.gain[1] = 0.5
 
     apply(net, 0)
     apply(ref, 1)
