@@ -21,6 +21,11 @@ nn.DataParallel replicates the module on every forward. dpool does it once:
   a tensor kept as a plain attribute and changed in place by its version counter.
   In each of these cases the coordinator ships the model again, as
   DataParallel's per-forward replication would pick the change up.
+* A plain tensor attribute that views a parameter's or buffer's memory
+  (``self.w_t = self.lin.weight.detach().t()``) keeps viewing it: bind and
+  unbind move it with its base, and it travels as a reference to that memory,
+  so the optimizer's steps reach it as they reach the parameter
+  (:meth:`Master._find_aliases`).
 * :meth:`Master.unbind` gives every tensor private memory again, so the
   module outlives the pool.
 """
@@ -40,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .errors import DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError
 from .layout import Layout
-from .tensors import dense_strides
+from .tensors import dense_strides, dtype_name, nbytes
 
 __all__ = ["Master", "numerics", "apply_numerics", "DEFAULT_NUMERICS"]
 
@@ -220,7 +225,62 @@ class Master:
                     f"{name} is on {t.device}, but CPU workers need the master module on the CPU; "
                     "call module.cpu() before dpool.wrap()"
                 )
+        self._find_aliases()
         self.snapshot()
+
+    def _find_aliases(self, refuse: bool = True) -> None:
+        """Find the plain tensor attributes that view a parameter's or buffer's memory.
+
+        ``self.w_t = self.lin.weight.detach().t()`` shares the weight's memory in one process, so it sees
+        every optimizer step. Pickled by value it would be a stale copy in the workers, and rebinding the
+        weight to shared memory would leave the master's own attribute behind: both silently wrong. Such an
+        alias is recorded as ``(module, name, base index, byte offset in the base)``; :meth:`bind` and
+        :meth:`unbind` move it with its base, and :meth:`pickle` sends it as a reference. An attribute that
+        needs grad (a graph made once, in ``__init__``) is left alone, as is one that shares a storage
+        with the parameters but none of their bytes (a file mapping of a checkpoint). One that views part
+        of a base in a way that cannot be kept is an error (with ``refuse``), or left alone.
+        """
+        bases = self.params + self.buffers
+        spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (first byte, end, base index)
+        for i, t in enumerate(bases):
+            if t.numel():
+                start = t.storage_offset() * t.element_size()
+                spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + nbytes(t), i))
+        own = {id(t) for t in bases}
+        self.aliases: list[tuple[torch.nn.Module, str, int, int]] = []
+        if not spans:
+            return
+        for where, m in self.module.named_modules():  # (the live tree: an alias on a module added later too)
+            for key, a in m.__dict__.items():
+                if (not isinstance(a, torch.Tensor) or id(a) in own or a.requires_grad or not a.numel()
+                        or a.is_inference() or a.untyped_storage().data_ptr() not in spans):
+                    continue
+                start = a.storage_offset() * a.element_size()
+                end = start + (sum((n - 1) * st for n, st in zip(a.shape, a.stride())) + 1) * a.element_size()
+                for b_start, b_end, i in spans[a.untyped_storage().data_ptr()]:
+                    if b_start <= start and end <= b_end and (bases[i].is_contiguous() or dense_strides(bases[i])):
+                        self.aliases.append((m, key, i, start - b_start))
+                        break
+                    if start < b_end and b_start < end and refuse:
+                        name = (self.param_names + self.buffer_names)[i]
+                        raise UnsupportedError(
+                            f"model{'.' + where if where else ''}.{key} is a plain tensor attribute that views part "
+                            f"of {name}'s memory in a way dpool cannot keep (it reaches outside {name}, or {name} "
+                            "is not dense): the workers would compute with a stale copy of it. Register it as a "
+                            "buffer, or compute it from the parameter in forward()."
+                        )
+
+    def _move_aliases(self, indices: Any = None) -> None:
+        """Point the aliases of the bases in ``indices`` (default: all) at their bases' memory now."""
+        bases = self.params + self.buffers
+        with torch.no_grad():
+            for m, key, i, offset in self.aliases:
+                a, t = m.__dict__.get(key), bases[i]
+                if not isinstance(a, torch.Tensor) or (indices is not None and i not in indices):
+                    continue
+                first = t.storage_offset() * t.element_size() + offset
+                a.data = torch.empty(0, dtype=a.dtype, device=t.device).set_(
+                    t.untyped_storage(), first // a.element_size(), a.shape, a.stride())
 
     # ------------------------------------------------------------------ attributes and hooks
     def snapshot(self) -> None:
@@ -241,8 +301,10 @@ class Master:
         # tensors kept as plain attributes (``self.mask = torch.tril(...)``, not buffers) travel by value, so
         # an in-place change (``model.mask[0] = 0``, ``model.temperature.fill_(2)``) must ship them again:
         # their version counters say so (inference tensors have none, and cannot change outside inference)
+        # (an alias of a parameter or buffer changes with it, and travels by reference: see _find_aliases)
+        aliased = {id(m.__dict__.get(key)) for m, key, _, _ in self.aliases}
         tensors = [(f"{w}.{k}", v) for w, d in zip(self._where, self._dicts) for k, v in d.items()
-                   if isinstance(v, torch.Tensor) and not v.is_inference()]
+                   if isinstance(v, torch.Tensor) and not v.is_inference() and id(v) not in aliased]
         self._tensor_names = [n for n, _ in tensors]
         self._tensors = [t for _, t in tensors]
         self._versions = [t._version for t in self._tensors]
@@ -319,17 +381,32 @@ class Master:
             v = region.standalone(off, b.dtype, b.shape)
             v.copy_(b.detach())
             self.buffer_views.append(v)
+        bases = self.params + self.buffers
+        for m, key, i, _ in self.aliases:
+            t, v = bases[i], (self.param_views + self.buffer_views)[i]
+            if t.stride() != v.stride() and not (t.is_contiguous() and v.is_contiguous()):
+                raise UnsupportedError(
+                    f"{key} of {type(m).__name__} is a plain tensor attribute that views "
+                    f"{(self.param_names + self.buffer_names)[i]}, whose shared copy is laid out row-major: "
+                    "it cannot keep viewing it. Register it as a buffer, or compute it in forward()."
+                )
         with torch.no_grad():
-            for t, v in zip(self.params + self.buffers, self.param_views + self.buffer_views):
+            for t, v in zip(bases, self.param_views + self.buffer_views):
                 t.data = v
-        self._ptrs = [t.data_ptr() for t in self.params + self.buffers]
+        self._move_aliases()
+        self._ptrs = [t.data_ptr() for t in bases]
 
     def unbind(self) -> None:
-        """Give every tensor still bound to the region private memory (a copy of its values)."""
+        """Give every tensor still bound to the region private memory (a copy of its values), and the
+        attributes that view one (an alias made after ``wrap()`` included) the same memory as before."""
+        self._find_aliases(refuse=False)
+        moved = set()
         with torch.no_grad():
-            for t, v in zip(self.params + self.buffers, self.param_views + self.buffer_views):
+            for i, (t, v) in enumerate(zip(self.params + self.buffers, self.param_views + self.buffer_views)):
                 if t.data_ptr() == v.data_ptr():
                     t.data = v.clone()
+                    moved.add(i)
+        self._move_aliases(moved)
 
     def check_bindings(self) -> None:
         """Re-attach tensors the user replaced (``p.data = ...``, ``load_state_dict(assign=True)``)."""
@@ -354,11 +431,18 @@ class Master:
     # ------------------------------------------------------------------ the model, shipped
     def pickle(self) -> bytes:
         """The module pickled with its tensors by reference; an unpicklable attribute is named in the error."""
+        self._find_aliases()  # (now: an alias set after wrap() travels as one from its first shipping)
         ids: dict[int, tuple] = {}
         for i, p in enumerate(self.params):
             ids[id(p)] = ("p", i, p.requires_grad)
         for i, b in enumerate(self.buffers):
             ids.setdefault(id(b), ("b", i))
+        n = len(self.params)
+        for m, key, i, offset in self.aliases:
+            a = m.__dict__.get(key)
+            if isinstance(a, torch.Tensor):
+                ids.setdefault(id(a), ("a", "p" if i < n else "b", i if i < n else i - n, offset,
+                                       dtype_name(a.dtype), tuple(a.shape), tuple(a.stride())))
         buf = io.BytesIO()
         try:
             _Pickler(buf, ids).dump(self.module)

@@ -220,6 +220,67 @@ def test_attributes_and_hooks_changed_after_wrap_are_followed(wrap, change):
         torch.testing.assert_close(model(xs[0]), ref(xs[0]))
 
 
+class _Aliased(nn.Module):
+    """Plain tensor attributes that view a parameter's and a buffer's memory, as in one process they do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("shift", torch.linspace(-1, 1, 12))
+        self.w_t = self.lin.weight.detach().t()  # a transposed view: follows every optimizer step
+        self.half_shift = self.shift[6:]  # a slice of a buffer, which forward updates in place
+        self.extra = torch.zeros(6)
+
+    def forward(self, x):
+        if self.training:
+            self.shift.mul_(0.9)
+        return torch.tanh(self.lin(x)) @ self.w_t + self.half_shift + self.extra
+
+
+def test_a_tensor_attribute_viewing_a_parameter_follows_it(wrap):
+    """`self.w_t = self.lin.weight.detach().t()` shares the weight's memory in one process. dpool once
+    pickled it by value and rebound the weight to shared memory, so master and workers both computed with
+    the initial weight while it trained (outputs apart by 4.7 after one step, 2211 after four). It must see
+    every step with no re-sync (an alias set after wrap(): one), and still view the weight after close()."""
+    torch.manual_seed(0)
+    net = _Aliased().double()
+    ref = copy.deepcopy(net)
+    for m in (net, ref):  # (.double() and deepcopy make new tensors)
+        m.w_t, m.half_shift = m.lin.weight.detach().t(), m.shift[6:]
+    model = wrap(net)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 6, generator=g, dtype=torch.float64) for _ in range(6)]
+    ys = [torch.randn(8, 6, generator=g, dtype=torch.float64) for _ in range(6)]
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    replicas = model.worker_states(id)
+    for i in range(6):
+        if i == 4:
+            assert model.worker_states(id) == replicas, "re-synced, where the aliases changed with their bases"
+            net.extra, ref.extra = net.lin.bias.detach(), ref.lin.bias.detach()
+        _train(model, opt, xs[i:i + 1], ys[i:i + 1])
+        _train(ref, ref_opt, xs[i:i + 1], ys[i:i + 1])
+        with torch.no_grad():
+            torch.testing.assert_close(model(xs[0]), ref(xs[0]), msg=f"step {i}")
+    assert all(a != b for a, b in zip(replicas, model.worker_states(id))), "an alias set after wrap() was not shipped"
+    torch.testing.assert_close(net.lin.weight, ref.lin.weight)
+    torch.testing.assert_close(net.shift, ref.shift)
+    torch.testing.assert_close(model.worker_states(lambda m: m.w_t), [ref.w_t, ref.w_t])
+    model.close()
+    assert net.w_t.data_ptr() == net.lin.weight.data_ptr() and net.half_shift.data_ptr() == net.shift[6:].data_ptr()
+    assert net.extra.data_ptr() == net.lin.bias.data_ptr()
+
+
+def test_a_tensor_attribute_spanning_several_parameters_is_refused(wrap):
+    """A flat tensor the parameters are slices of (apex-style flat weights) cannot keep viewing them once
+    each parameter has its own place in shared memory: a clear error at wrap(), not a stale copy."""
+    net = nn.Module()
+    net.flat = torch.zeros(12)
+    net.a, net.b = nn.Parameter(net.flat[:6]), nn.Parameter(net.flat[6:])
+    with pytest.raises(dpool.UnsupportedError, match=r"model\.flat is a plain tensor attribute that views part of "
+                                                     r"a's memory .*Register it as a buffer"):
+        wrap(net)
+
+
 def test_an_unpicklable_attribute_set_after_wrap_is_named_and_breaks_nothing(wrap):
     """A logger, writer or lock hung on the model after wrap() cannot be shipped: every forward says which
     attribute, the pool and the master stay as they were, and deleting it lets training go on."""

@@ -207,6 +207,13 @@ class Replica:
                 return params[i]
             if kind == "b":
                 return self.buffer_views[i]
+            if kind == "a":  # a plain tensor attribute viewing a parameter's or buffer's memory
+                _, of, i, offset, dt, shape, strides = pid
+                base = self.param_views[i] if of == "p" else self.buffer_views[i]
+                dtype = DTYPES[dt]
+                first = base.storage_offset() * base.element_size() + offset
+                return torch.empty(0, dtype=dtype, device=base.device).set_(
+                    base.untyped_storage(), first // dtype.itemsize, shape, strides)
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
         model = _Unpickler(msg.model, load).load()
