@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .errors import DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError
 from .layout import Layout
-from .tensors import dense_strides, dtype_name, nbytes
+from .tensors import dense_strides, dtype_name
 
 __all__ = ["Master", "numerics", "apply_numerics", "DEFAULT_NUMERICS"]
 
@@ -142,6 +142,12 @@ def _parametrized(cls: type[torch.nn.Module], names: tuple[str, ...]) -> torch.n
     return module
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``t`` (not empty) reaches: ``(first, end)``."""
+    start = t.storage_offset() * t.element_size()
+    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
 def _unpicklable_attribute(module: torch.nn.Module) -> str | None:
     """``model.sub.attr: type`` of the first attribute of ``module`` (or a submodule) that cannot be pickled."""
     skip = {"_parameters", "_buffers", "_modules"}
@@ -225,8 +231,37 @@ class Master:
                     f"{name} is on {t.device}, but CPU workers need the master module on the CPU; "
                     "call module.cpu() before dpool.wrap()"
                 )
+        self._refuse_overlaps()
         self._find_aliases()
         self.snapshot()
+
+    def _refuse_overlaps(self) -> None:
+        """Refuse parameters and buffers that share memory (``register_buffer("w_t", lin.weight.detach().t())``).
+
+        In one process such a buffer changes with the weight. dpool gives every parameter and buffer a
+        place of its own in shared memory, which would silently part them. (Parameters that are slices of
+        one flat tensor, as after an LSTM's ``flatten_parameters()`` or a checkpoint mapped from a file,
+        share a storage but no bytes: that is fine.)
+        """
+        names = self.param_names + self.buffer_names
+        spans = sorted((t.untyped_storage().data_ptr(), *_byte_span(t), i)
+                       for i, t in enumerate(self.params + self.buffers) if t.numel())
+        reach: tuple[int, int, int] | None = None  # (storage, end, index) of the furthest-reaching span so far
+        for storage, start, end, i in spans:
+            if reach is not None and reach[0] == storage and start < reach[1]:
+                a, b = sorted((reach[2], i))
+                both_params = b < len(self.params)
+                raise UnsupportedError(
+                    f"{names[a]} and {names[b]} share memory (one is a view of the other). In one process "
+                    f"{'they change together' if both_params else names[b] + ' changes with ' + names[a]}; dpool gives every "
+                    "parameter and buffer a place of its own in shared memory, which would silently part them. "
+                    + ("Tie them by assigning the same nn.Parameter object to both modules."
+                       if both_params else
+                       f"Keep the view as a plain attribute (self.{names[b].rsplit('.', 1)[-1]} = ..., which dpool "
+                       "keeps pointing at its base) or compute it in forward().")
+                )
+            if reach is None or reach[0] != storage or end > reach[1]:
+                reach = (storage, end, i)
 
     def _find_aliases(self, refuse: bool = True) -> None:
         """Find the plain tensor attributes that view a parameter's or buffer's memory.
@@ -244,8 +279,7 @@ class Master:
         spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (first byte, end, base index)
         for i, t in enumerate(bases):
             if t.numel():
-                start = t.storage_offset() * t.element_size()
-                spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + nbytes(t), i))
+                spans.setdefault(t.untyped_storage().data_ptr(), []).append((*_byte_span(t), i))
         own = {id(t) for t in bases}
         self.aliases: list[tuple[torch.nn.Module, str, int, int]] = []
         if not spans:
@@ -255,8 +289,7 @@ class Master:
                 if (not isinstance(a, torch.Tensor) or id(a) in own or a.requires_grad or not a.numel()
                         or a.is_inference() or a.untyped_storage().data_ptr() not in spans):
                     continue
-                start = a.storage_offset() * a.element_size()
-                end = start + (sum((n - 1) * st for n, st in zip(a.shape, a.stride())) + 1) * a.element_size()
+                start, end = _byte_span(a)
                 for b_start, b_end, i in spans[a.untyped_storage().data_ptr()]:
                     if b_start <= start and end <= b_end and (bases[i].is_contiguous() or dense_strides(bases[i])):
                         self.aliases.append((m, key, i, start - b_start))

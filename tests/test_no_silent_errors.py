@@ -270,14 +270,26 @@ def test_a_tensor_attribute_viewing_a_parameter_follows_it(wrap):
     assert net.extra.data_ptr() == net.lin.bias.data_ptr()
 
 
-def test_a_tensor_attribute_spanning_several_parameters_is_refused(wrap):
-    """A flat tensor the parameters are slices of (apex-style flat weights) cannot keep viewing them once
-    each parameter has its own place in shared memory: a clear error at wrap(), not a stale copy."""
+@pytest.mark.parametrize("case", ["flat_attribute", "buffer_view", "parameter_view"])
+def test_tensors_that_share_memory_in_ways_dpool_cannot_keep_are_refused(wrap, case):
+    """dpool gives each parameter and buffer its own place in shared memory. A flat tensor the parameters
+    are slices of (apex-style flat weights), a buffer that views a weight, or two parameters over the same
+    memory would part from what they view in one process: a clear error at wrap(), not a stale copy.
+    (Parameters that are disjoint slices of one tensor, the flat case's a and b, are fine.)"""
     net = nn.Module()
     net.flat = torch.zeros(12)
     net.a, net.b = nn.Parameter(net.flat[:6]), nn.Parameter(net.flat[6:])
-    with pytest.raises(dpool.UnsupportedError, match=r"model\.flat is a plain tensor attribute that views part of "
-                                                     r"a's memory .*Register it as a buffer"):
+    if case == "flat_attribute":
+        match = r"model\.flat is a plain tensor attribute that views part of a's memory .*Register it as a buffer"
+    elif case == "buffer_view":
+        del net.flat
+        net.register_buffer("a_view", net.a.detach()[1:3])
+        match = r"a and a_view share memory .*a_view changes with a;.*plain attribute \(self\.a_view = \.\.\."
+    else:
+        del net.flat
+        net.c = nn.Parameter(net.b.detach()[2:])
+        match = r"b and c share memory .*they change together.*same nn\.Parameter object"
+    with pytest.raises(dpool.UnsupportedError, match=match):
         wrap(net)
 
 
