@@ -25,7 +25,7 @@ nn.DataParallel replicates the module on every forward. dpool does it once:
   (``self.w_t = self.lin.weight.detach().t()``) keeps viewing it: bind and
   unbind move it with its base, and it travels as a reference to that memory,
   so the optimizer's steps reach it as they reach the parameter
-  (:meth:`Master._find_aliases`).
+  (:meth:`Master._read_tensor_attributes`).
 * :meth:`Master.unbind` gives every tensor private memory again, so the
   module outlives the pool.
 """
@@ -232,7 +232,7 @@ class Master:
                     "call module.cpu() before dpool.wrap()"
                 )
         self._refuse_overlaps()
-        self._find_aliases()
+        self._read_tensor_attributes()
         self.snapshot()
 
     def _refuse_overlaps(self) -> None:
@@ -263,8 +263,13 @@ class Master:
             if reach is None or reach[0] != storage or end > reach[1]:
                 reach = (storage, end, i)
 
-    def _find_aliases(self, refuse: bool = True) -> None:
-        """Find the plain tensor attributes that view a parameter's or buffer's memory.
+    def _read_tensor_attributes(self, refuse: bool = True) -> None:
+        """Find the plain tensor attributes that view a parameter's or buffer's memory, and (with
+        ``refuse``) refuse those dpool cannot keep as they are in one process.
+
+        ``self.alpha = torch.tensor(1.0, requires_grad=True)``, trained by passing it to the optimizer, gets
+        its gradient in one process (and in DataParallel's replicas, which share it); the workers would
+        compute theirs on a copy and never return it, so it would silently not train: an error.
 
         ``self.w_t = self.lin.weight.detach().t()`` shares the weight's memory in one process, so it sees
         every optimizer step. Pickled by value it would be a stale copy in the workers, and rebinding the
@@ -282,10 +287,15 @@ class Master:
                 spans.setdefault(t.untyped_storage().data_ptr(), []).append((*_byte_span(t), i))
         own = {id(t) for t in bases}
         self.aliases: list[tuple[torch.nn.Module, str, int, int]] = []
-        if not spans:
-            return
         for where, m in self.module.named_modules():  # (the live tree: an alias on a module added later too)
             for key, a in m.__dict__.items():
+                if refuse and isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and id(a) not in own:
+                    raise UnsupportedError(
+                        f"model{'.' + where if where else ''}.{key} is a tensor that requires grad but is not an "
+                        "nn.Parameter. dpool's workers would compute its gradient on their copies and never "
+                        "return it, so it would silently not train. Register it as an nn.Parameter (then "
+                        "model.parameters() has it), or requires_grad_(False) it if it is not meant to train."
+                    )
                 if (not isinstance(a, torch.Tensor) or id(a) in own or a.requires_grad or not a.numel()
                         or a.is_inference() or a.untyped_storage().data_ptr() not in spans):
                     continue
@@ -334,7 +344,7 @@ class Master:
         # tensors kept as plain attributes (``self.mask = torch.tril(...)``, not buffers) travel by value, so
         # an in-place change (``model.mask[0] = 0``, ``model.temperature.fill_(2)``) must ship them again:
         # their version counters say so (inference tensors have none, and cannot change outside inference)
-        # (an alias of a parameter or buffer changes with it, and travels by reference: see _find_aliases)
+        # (an alias of a parameter or buffer changes with it, and travels by reference: see _read_tensor_attributes)
         aliased = {id(m.__dict__.get(key)) for m, key, _, _ in self.aliases}
         tensors = [(f"{w}.{k}", v) for w, d in zip(self._where, self._dicts) for k, v in d.items()
                    if isinstance(v, torch.Tensor) and not v.is_inference() and id(v) not in aliased]
@@ -432,7 +442,7 @@ class Master:
     def unbind(self) -> None:
         """Give every tensor still bound to the region private memory (a copy of its values), and the
         attributes that view one (an alias made after ``wrap()`` included) the same memory as before."""
-        self._find_aliases(refuse=False)
+        self._read_tensor_attributes(refuse=False)
         moved = set()
         with torch.no_grad():
             for i, (t, v) in enumerate(zip(self.params + self.buffers, self.param_views + self.buffer_views)):
@@ -464,7 +474,7 @@ class Master:
     # ------------------------------------------------------------------ the model, shipped
     def pickle(self) -> bytes:
         """The module pickled with its tensors by reference; an unpicklable attribute is named in the error."""
-        self._find_aliases()  # (now: an alias set after wrap() travels as one from its first shipping)
+        self._read_tensor_attributes()  # (now: an alias set after wrap() travels as one from its first shipping)
         ids: dict[int, tuple] = {}
         for i, p in enumerate(self.params):
             ids[id(p)] = ("p", i, p.requires_grad)

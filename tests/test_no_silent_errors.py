@@ -293,6 +293,30 @@ def test_tensors_that_share_memory_in_ways_dpool_cannot_keep_are_refused(wrap, c
         wrap(net)
 
 
+def test_a_trainable_tensor_that_is_not_a_parameter_is_refused(wrap):
+    """`self.alpha = torch.tensor(2.0, requires_grad=True)`, handed to the optimizer by hand, trains in one
+    process and in DataParallel (its replicas share it). dpool's workers computed its gradient on their
+    copies and never returned it, so it silently stayed 2.0. Now: an error at wrap(), or at each forward
+    once one is set after it, with the pool and the master untouched."""
+    net = _Knobs()
+    net.alpha = torch.tensor(2.0, requires_grad=True)
+    with pytest.raises(dpool.UnsupportedError, match=r"model\.alpha is a tensor that requires grad but is not an "
+                                                     r"nn\.Parameter.*Register it as an nn\.Parameter"):
+        wrap(net)
+    del net.alpha
+    model = wrap(net)
+    x = torch.randn(4, 6)
+    before = model(x).detach()
+    replicas = model.worker_states(id)
+    net.act.alpha = torch.ones(1, requires_grad=True)
+    for _ in range(2):
+        with pytest.raises(dpool.UnsupportedError, match=r"model\.act\.alpha is a tensor that requires grad"):
+            model(x)
+    del net.act.alpha
+    torch.testing.assert_close(model(x), before)
+    assert model.worker_states(id) == replicas
+
+
 def test_an_unpicklable_attribute_set_after_wrap_is_named_and_breaks_nothing(wrap):
     """A logger, writer or lock hung on the model after wrap() cannot be shipped: every forward says which
     attribute, the pool and the master stay as they were, and deleting it lets training go on."""
