@@ -55,7 +55,7 @@ from .peers import arm_exit_guard
 from .pool import Pool
 from .reduce import Reducer, sum_sparse
 from .regions import IORegions
-from .replicate import DEFAULT_NUMERICS, Master, apply_numerics, numerics
+from .replicate import Master, apply_numerics, numerics
 from .stats import Stats
 from .sync_batchnorm import SyncBatchNorm
 from .sweep import sweep
@@ -137,8 +137,10 @@ class Runtime:
         self._last_rows: list[int] | None = None  # shard sizes of the latest forward (for error hints)
         self.stats = Stats(self.n)
         self._sent_flags: tuple | None = None  # GPU numerics settings the workers have (see _follow_backend_flags)
-        # the default dtype, ... (see _follow_numerics): a daemon's workers may keep an earlier session's
-        self._sent_numerics: tuple | None = DEFAULT_NUMERICS if attach is None else None
+        # the default dtype, ... (see _follow_numerics): unknown, so sent at the first forward (a daemon's workers
+        # may keep an earlier session's; a new worker has torch's defaults, which this process may have changed
+        # before dpool was imported)
+        self._sent_numerics: tuple | None = None
         self._resyncs, self._resynced_at = 0, -1  # re-syncs on consecutive forwards, the forward of the latest
         self._warned_global_hooks = False
         if attach is not None and max_restarts:
@@ -880,8 +882,9 @@ class Runtime:
 
     # ------------------------------------------------------------------ misc
     def _follow_numerics(self) -> None:
-        """Give the workers this process's default dtype, deterministic-algorithms mode and anomaly detection
-        (they changed, or a worker was restarted)."""
+        """Give the workers this process's :func:`~dpool.replicate.numerics` settings (default dtype,
+        deterministic mode, anomaly detection, float32 precision, attention backends): at the first forward,
+        and when they changed or a worker was restarted."""
         values = numerics()
         self.call_workers(functools.partial(apply_numerics, values))
         self._sent_numerics = values

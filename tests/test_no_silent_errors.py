@@ -1,6 +1,7 @@
 """Uses that once gave wrong numbers with no error: each now gives the reference result or a clear error."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 
@@ -461,6 +462,46 @@ def test_the_float32_precision_reaches_the_workers(wrap):
     finally:
         set_fp32_precision(CPU_PRECISION_OPS, saved[0])
         set_fp32_precision(_CUDA_PRECISION_OPS, saved[1])
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)  # 3 × (batch, heads, length, 8)
+        return self.out(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+def test_the_attention_backend_choice_reaches_the_workers(wrap):
+    """`with sdpa_kernel(SDPBackend.MATH):` sets scaled_dot_product_attention's backends for the process, so
+    DataParallel's replicas follow it. On a CPU it picks the math kernel over flash, whose backward has no
+    derivative: a gradient penalty through attention works only under it. The workers ignored it, so the
+    penalty failed there ("derivative ... not implemented") and outputs differed from one process's. Now the
+    outputs equal the reference's on the same shards bitwise, and the penalty's gradients match."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dpool.replicate import sdp_settings
+
+    torch.manual_seed(0)
+    net = _Attention()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    x = torch.randn(4, 24, 16)
+    for kernel in ("math", "default"):
+        with (sdpa_kernel(SDPBackend.MATH) if kernel == "math" else contextlib.nullcontext()):
+            with torch.no_grad():
+                torch.testing.assert_close(model(x), torch.cat([ref(x[:2]), ref(x[2:])]), rtol=0, atol=0,
+                                           msg=lambda m: f"{kernel}: {m}")
+            assert model.worker_states(lambda r: sdp_settings()) == [sdp_settings()] * 2, kernel
+            if kernel == "math":  # a gradient penalty, as WGAN-GP's
+                for m in (model, ref):
+                    xi = x.clone().requires_grad_()
+                    g, = torch.autograd.grad(m(xi).sum(), xi, create_graph=True)
+                    g.pow(2).sum().backward()
+                for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.grad, rp.grad, msg=n)
 
 
 def test_the_gpu_settings_are_read_after_torchs_newer_precision_api_was_used():
