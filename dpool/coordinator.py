@@ -138,8 +138,7 @@ class Runtime:
         self.stats = Stats(self.n)
         self._sent_flags: tuple | None = None  # GPU numerics settings the workers have (see _follow_backend_flags)
         # the default dtype, ... (see _follow_numerics): unknown, so sent at the first forward (a daemon's workers
-        # may keep an earlier session's; a new worker has torch's defaults, which this process may have changed
-        # before dpool was imported)
+        # may keep an earlier session's; a new worker has torch's defaults, which differ between versions)
         self._sent_numerics: tuple | None = None
         self._resyncs, self._resynced_at = 0, -1  # re-syncs on consecutive forwards, the forward of the latest
         self._warned_global_hooks = False
