@@ -38,7 +38,7 @@ import cloudpickle
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from . import gather as _gather, scatter as _scatter, tree as _tree
+from . import gather as _gather, patches as _patches, scatter as _scatter, tree as _tree
 from . import protocol as P
 from .bridge import Bridge, CallState, DoubleBridge, DoubleState, Graphs, _user_stacklevel
 from .buffers import BufferCommit
@@ -355,6 +355,52 @@ class Runtime:
             self._master_buffers = master.region.u8[b[0]:b[1]]
             self._first_buffers = self.states[0].u8[b[0]:b[1]]
         self._buffer_slots = [self._buffers.slot_views(st.u8) for st in self.states]
+        self._follow_patches(indices)
+
+    def _follow_patches(self, indices: Any) -> None:
+        """Repeat in the workers ``indices`` what this process patched in the model's code at run time
+        (``SomeClass.forward = my_forward``, ``F.gelu = my_gelu``: :mod:`dpool.patches`), as DataParallel's
+        replicas, in its one process, run the patched code. One round trip at each shipping, two when
+        something differs; what cannot be repeated is named in a warning."""
+        refs = _patches.code_refs(self.master.module)
+        if not refs:
+            return
+        ours = _patches.fingerprints(refs)
+        places = _patches.addresses(refs)
+        theirs = self._call(indices, functools.partial(_patches.fingerprints_at, places))
+        # (a name the workers lack was added here, as transformers adds Module.smart_apply: their code does not
+        # use it, and repeating it could import a library there for nothing)
+        differ = sorted({j for t in theirs.values() for j, (a, b) in enumerate(zip(ours, t))
+                         if a != b and b != _patches.MISSING and not _patches.instrumentation(a)})
+        if not differ:
+            return
+        names = [_patches.name_of(*refs[j]) for j in differ]
+        log.info("repeating %d run-time patches of the model's code in the workers: %s", len(differ), ", ".join(names))
+        sent, unsent = [], []
+        for j in differ:
+            owner, name = refs[j]
+            try:
+                sent.append(_patches.pickle_patch(owner, name, _patches.value_of(owner, name)))
+            except Exception as exc:
+                unsent.append(f"{_patches.name_of(owner, name)} (cannot be pickled: {exc})")
+        if sent:
+            self._call(indices, functools.partial(_patches.apply, sent))
+            theirs = self._call(indices, functools.partial(_patches.fingerprints_at, [places[j] for j in differ]))
+            unsent += sorted({names[k] for t in theirs.values() for k, (j, b) in enumerate(zip(differ, t))
+                              if ours[j] != b} - {u.split(" ")[0] for u in unsent})
+        if unsent:
+            warnings.warn(
+                f"dpool: the workers run other code than this process for {', '.join(unsent)}: it was changed at "
+                "run time here (a monkeypatch) and could not be repeated there, so results may differ from "
+                "one process's. Make the patch picklable (no locks, files or handles in its closure), or apply "
+                "it in a module the model's code imports.", RuntimeWarning, stacklevel=2)
+
+    def _call(self, indices: Any, fn: Any) -> dict[int, Any]:
+        """Run ``fn(replica)`` in the workers ``indices``: their results."""
+        payload = cloudpickle.dumps(fn)
+        replies = self._request({i: P.Call(payload) for i in indices}, "running a function")
+        self._raise_failures(replies, "worker_states")
+        return {i: cloudpickle.loads(replies[i].result) for i in indices}
 
     # ------------------------------------------------------------------ rounds and their failures
     def _request(self, msgs: Mapping[int, P.Message], stage: str) -> dict[int, Any]:

@@ -90,6 +90,32 @@ def test_attached_training_equals_embedded_and_status(pool_name):
     assert human.returncode == 0 and "idle" in human.stdout and "steps served" in human.stdout
 
 
+PATCHED = """
+import torch, dpool, warnings
+from torch import nn
+warnings.simplefilter("error")
+if {patch}:  # a library patched at run time: the daemon's workers run it in this session only
+    nn.Tanh.forward = lambda self, x: torch.tanh(x) * 2
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+x = torch.randn(8, 4)
+with torch.no_grad():
+    expected = net(x)
+    model = dpool.wrap(net, pool={pool!r})
+    torch.testing.assert_close(model(x), expected)
+model.close()
+print("OK")
+"""
+
+
+def test_a_sessions_patched_code_stays_in_that_session(pool_name):
+    """The daemon's workers outlive a session: a library patched by one session must be patched in the
+    workers for it (as in one process), and be the library's own code again for the next."""
+    for patch in (True, False):
+        res = run_script(PATCHED.format(patch=patch, pool=pool_name))
+        assert res.returncode == 0 and "OK" in res.stdout, (patch, res.stderr[-3000:])
+
+
 def test_attached_workers_prints_reach_the_client_labelled(pool_name):
     code = f"""
     import sys, torch, dpool

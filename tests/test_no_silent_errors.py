@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import os
+import signal
 import threading
+import time
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -502,6 +507,69 @@ def test_the_attention_backend_choice_reaches_the_workers(wrap):
                     g.pow(2).sum().backward()
                 for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
                     torch.testing.assert_close(p.grad, rp.grad, msg=n)
+
+
+class _Patchable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act, self.out, self.gelu = nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3), nn.GELU()
+
+    def forward(self, x):
+        return self.gelu(self.out(self.act(self.lin(x))))
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+    time.sleep(0.3)  # long enough for ZeroMQ to see the peer gone
+
+
+@pytest.mark.parametrize("patch", ["class_method", "library_function", "wrapped_method", "unpicklable"])
+def test_run_time_patches_of_the_models_code_reach_the_workers(wrap, monkeypatch, patch):
+    """A script that patches a library before training (`LlamaAttention.forward = my_forward`,
+    `F.gelu = my_gelu`, as Liger Kernel and many research scripts do) runs the patched code in one process
+    and in DataParallel's replicas. dpool's workers import the library from disk and silently ran the
+    original (outputs apart by 0.1 here). The patch must reach them, a restarted worker too, and one that
+    cannot be pickled must be named in a warning."""
+    torch.manual_seed(0)
+    net = _Patchable()
+    ref = copy.deepcopy(net)
+    if patch == "class_method":
+        monkeypatch.setattr(nn.Tanh, "forward", lambda self, x: torch.tanh(x) * 2)
+    elif patch == "library_function":  # nn.GELU.forward calls F.gelu
+        monkeypatch.setattr(nn.functional, "gelu", lambda x, approximate="none": x * torch.sigmoid(1.702 * x))
+    elif patch == "wrapped_method":  # functools.wraps copies the original's name: it must travel by value
+        original = nn.Linear.forward
+
+        @functools.wraps(original)
+        def forward(self, x):
+            return original(self, x) * 0.5
+
+        monkeypatch.setattr(nn.Linear, "forward", forward)
+    else:
+        lock = threading.Lock()
+        monkeypatch.setattr(nn.Tanh, "forward", lambda self, x: torch.tanh(x) * 2 if lock else None)
+        with pytest.warns(RuntimeWarning, match=r"workers run other code than this process for "
+                                                r"torch\.nn\.modules\.activation\.Tanh\.forward \(cannot be pickled"):
+            wrap(net)
+        return
+    model = wrap(net, max_restarts=1)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 6, generator=g) for _ in range(3)]
+    ys = [torch.randn(8, 3, generator=g) for _ in range(3)]
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(3):
+        if i == 2:  # a restarted worker imports the library afresh
+            _kill(model.pids[1])
+            with pytest.raises(dpool.WorkerDiedError):
+                model(xs[0])
+        _train(model, opt, xs[i:i + 1], ys[i:i + 1])
+        _train(ref, ref_opt, xs[i:i + 1], ys[i:i + 1])
+        with torch.no_grad():
+            torch.testing.assert_close(model(xs[0]), ref(xs[0]), msg=lambda m: f"step {i}: {m}")
+    for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp, msg=n)
 
 
 def test_the_gpu_settings_are_read_after_torchs_newer_precision_api_was_used():
