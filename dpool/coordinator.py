@@ -55,7 +55,8 @@ from .peers import arm_exit_guard
 from .pool import Pool
 from .reduce import Reducer, sum_sparse
 from .regions import IORegions
-from .replicate import Master, apply_numerics, numerics
+from .numerics import apply_numerics, numerics
+from .replicate import Master
 from .stats import Stats
 from .sync_batchnorm import SyncBatchNorm
 from .sweep import sweep
@@ -927,7 +928,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ misc
     def _follow_numerics(self) -> None:
-        """Give the workers this process's :func:`~dpool.replicate.numerics` settings (default dtype,
+        """Give the workers this process's :func:`~dpool.numerics.numerics` settings (default dtype,
         deterministic mode, anomaly detection, float32 precision, attention backends): at the first forward,
         and when they changed or a worker was restarted."""
         values = numerics()

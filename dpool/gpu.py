@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from .errors import WorkerStartError
-from .replicate import fp32_precision, set_fp32_precision
+from .numerics import fp32_precision, set_fp32_precision
 
 __all__ = ["backend_flags", "apply_backend_flags", "sticky_error", "CONTEXT_BYTES", "shortfall", "check_free_memory",
            "memory_report"]

@@ -10,12 +10,13 @@ silently compute with the unpatched code.
 modules' MROs (methods, properties, class constants), and the functions, classes and module attributes
 those methods, and the functions they call, name as globals (two calls deep). :func:`fingerprints`
 describes each without pickling it: a function by its module, qualified name, code name and first line
-(a patch made with ``functools.wraps`` copies the first two, not the others), a constant by its value. The
-coordinator compares its fingerprints with each worker's after shipping the model (:meth:`Runtime._follow_patches`)
-and sends what differs (not what the workers lack: their code cannot be using it), pickled with cloudpickle (a function from the script by value, one from an
-importable module by reference), for the worker to set with :func:`apply`. What still differs after that
-(a patch that cannot be pickled) is named in a warning. Classes and functions of the training script
-itself (``__main__``) travel by value with the model already.
+(a patch made with ``functools.wraps`` copies the first two, not the others), a constant by its ``repr``.
+After shipping the model, the coordinator (``Runtime._follow_patches``) compares its fingerprints with
+each worker's, which :func:`fingerprints_at` reads by address (so that nothing is imported to look), and
+sends what differs (not what the workers lack: their code cannot be using it), pickled with :func:`pickle_patch`
+(a function from the script by value, one from an importable module by reference), for the worker to set
+with :func:`apply`. What still differs after that (a patch that cannot be pickled) is named in a warning.
+Classes and functions of the training script itself (``__main__``) travel by value with the model already.
 """
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def _fingerprint(value: Any) -> Any:
         # (not the file: cloudpickle renames a function it rebuilt by value "<dynamic-code>")
         return ("function", value.__module__, value.__qualname__, code.co_name, code.co_firstlineno)
     if isinstance(value, _CONSTANTS):
-        return ("value", value)
+        return ("value", repr(value))  # (a nan is not equal to itself)
     if isinstance(value, _CALLABLES):
         return ("callable", getattr(value, "__module__", None), getattr(value, "__qualname__", None))
     return ("object", type(value).__module__, type(value).__qualname__)

@@ -349,7 +349,7 @@ def test_workers_follow_tf32_and_cudnn_settings(wrap):
         assert seen == [(tf32, "high" if tf32 else "highest")] * 2
     # torch's newer per-operation API: using it made the legacy getters dpool read raise at every forward
     from dpool.gpu import _CUDA_PRECISION_OPS
-    from dpool.replicate import fp32_precision, set_fp32_precision
+    from dpool.numerics import fp32_precision, set_fp32_precision
 
     saved = fp32_precision(_CUDA_PRECISION_OPS)
     try:

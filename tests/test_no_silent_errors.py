@@ -443,7 +443,7 @@ def test_the_float32_precision_reaches_the_workers(wrap):
     it (a difference of 6e-7 here) and must follow it. Their settings are read back, and the outputs equal
     the coordinator's on the same shards bitwise."""
     from dpool.gpu import _CUDA_PRECISION_OPS
-    from dpool.replicate import CPU_PRECISION_OPS, fp32_precision, set_fp32_precision
+    from dpool.numerics import CPU_PRECISION_OPS, fp32_precision, set_fp32_precision
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
@@ -487,7 +487,7 @@ def test_the_attention_backend_choice_reaches_the_workers(wrap):
     outputs equal the reference's on the same shards bitwise, and the penalty's gradients match."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from dpool.replicate import sdp_settings
+    from dpool.numerics import sdp_settings
 
     torch.manual_seed(0)
     net = _Attention()
@@ -578,7 +578,7 @@ def test_the_gpu_settings_are_read_after_torchs_newer_precision_api_was_used():
     API torch's docs now advise) has been set: every forward of a GPU pool failed. These are plain process
     settings, read and written the same way on a CPU-only machine."""
     from dpool.gpu import _CUDA_PRECISION_OPS, apply_backend_flags, backend_flags
-    from dpool.replicate import fp32_precision, set_fp32_precision
+    from dpool.numerics import fp32_precision, set_fp32_precision
 
     saved, before = fp32_precision(_CUDA_PRECISION_OPS), backend_flags()
     try:

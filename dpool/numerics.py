@@ -1,0 +1,102 @@
+"""The process settings that change what a forward or backward computes, which workers copy from the
+coordinator (as nn.DataParallel's replicas, in its one process, share them).
+
+:func:`numerics` is read before every forward (1.7 µs) and sent through ``call_workers`` at the first
+forward and whenever it changed; :func:`apply_numerics` sets it in a worker. The CUDA-only settings are
+:func:`dpool.gpu.backend_flags`, which reads its TF32 precisions with :func:`fp32_precision` too.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["numerics", "apply_numerics", "fp32_precision", "set_fp32_precision", "sdp_settings", "CPU_PRECISION_OPS"]
+
+
+# torch's float32 precision settings (torch >= 2.9): "ieee", "tf32", "bf16", or "none" (the parent's), per
+# (backend, operation). torch.set_float32_matmul_precision("medium") sets them too; on a CPU with AVX512-BF16
+# or AMX, "bf16" for mkldnn makes float32 matmuls and convolutions compute in bf16. Read through torch._C: the
+# torch.backends attributes cost 0.7 us each, and the legacy getter raises once the new API has been used.
+_GET_PRECISION = getattr(torch._C, "_get_fp32_precision_getter", None)
+_SET_PRECISION = getattr(torch._C, "_set_fp32_precision_setter", None)
+CPU_PRECISION_OPS = (("generic", "all"), ("mkldnn", "all"), ("mkldnn", "matmul"), ("mkldnn", "conv"),
+                     ("mkldnn", "rnn"))
+
+
+def fp32_precision(ops: tuple) -> tuple:
+    """The float32 precision of each ``(backend, operation)`` in ``ops`` (torch < 2.9: the matmul precision)."""
+    if _GET_PRECISION is None:
+        return (torch.get_float32_matmul_precision(),)
+    return tuple(itertools.starmap(_GET_PRECISION, ops))
+
+
+def set_fp32_precision(ops: tuple, values: tuple) -> None:
+    """Set what :func:`fp32_precision` read (parents first, so every child gets its own value)."""
+    if _SET_PRECISION is None:
+        torch.set_float32_matmul_precision(values[0])
+        return
+    for (backend, op), value in zip(ops, values):
+        _SET_PRECISION(backend, op, value)
+
+
+# scaled_dot_product_attention's backends, as torch.nn.attention.sdpa_kernel sets them for the whole process:
+# on a CPU they choose between the flash kernel (slightly different values, and a backward with no derivative
+# of its own, so no gradient penalty through it) and the math one; on a GPU among flash, memory-efficient,
+# cuDNN and math. Also whether the math backend may reduce in fp16/bf16, and the order backends are tried in.
+def _sdp_pair(get: str, set_: str) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
+    g, s = getattr(torch._C, get, None), getattr(torch._C, set_, None)
+    return (g, s) if g is not None and s is not None else None
+
+
+_SDP_FLAGS = tuple(pair for pair in (
+    *(_sdp_pair(f"_get_{n}_sdp_enabled", f"_set_sdp_use_{n}")
+      for n in ("flash", "mem_efficient", "math", "cudnn", "overrideable", "fa3")),
+    _sdp_pair("_get_math_sdp_allow_fp16_bf16_reduction", "_set_math_sdp_allow_fp16_bf16_reduction"))
+    if pair is not None)
+_SDP_GETTERS = tuple(get for get, _ in _SDP_FLAGS)
+_SDP_ORDER = _sdp_pair("_get_sdp_priority_order", "_set_sdp_priority_order")
+_CALL = getattr(operator, "call", None) or operator.methodcaller("__call__")  # (operator.call: Python >= 3.11)
+
+
+def sdp_settings() -> tuple:
+    """The attention backends' flags, then their priority order (a tuple; ``()`` where torch has none)."""
+    return (*map(_CALL, _SDP_GETTERS), tuple(_SDP_ORDER[0]()) if _SDP_ORDER else ())
+
+
+def _set_sdp_settings(values: tuple) -> None:
+    for (_, set_), value in zip(_SDP_FLAGS, values):
+        set_(value)
+    if _SDP_ORDER and values[-1]:
+        _SDP_ORDER[1](list(values[-1]))
+
+
+def numerics() -> tuple:
+    """This process's settings that change what a forward or backward computes on any device: the default
+    dtype (what ``torch.tensor(0.1)`` or ``torch.arange(n) * 0.5`` inside a forward make), deterministic
+    algorithms, autograd's anomaly detection, and the float32 precision of the CPU's matmuls, convolutions
+    and RNNs (``torch.set_float32_matmul_precision``, ``torch.backends.mkldnn.matmul.fp32_precision``), and
+    the backends ``scaled_dot_product_attention`` may use (``torch.nn.attention.sdpa_kernel``). Workers
+    follow the coordinator's, as nn.DataParallel's replicas in its one process do (the CUDA ones:
+    :func:`dpool.gpu.backend_flags`)."""
+    return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(), torch.is_anomaly_enabled(),
+            torch.is_anomaly_check_nan_enabled(), fp32_precision(CPU_PRECISION_OPS), sdp_settings())
+
+
+def apply_numerics(values: tuple, _model: Any = None) -> None:
+    """Set :func:`numerics` in this (worker) process: only what differs, as
+    ``torch.use_deterministic_algorithms`` imports torch's compiler (seconds) the first time it is called."""
+    now = numerics()
+    if values[0] != now[0]:
+        torch.set_default_dtype(values[0])
+    if values[1:3] != now[1:3]:
+        torch.use_deterministic_algorithms(values[1], warn_only=values[2])
+    if values[3:5] != now[3:5]:
+        torch.autograd.set_detect_anomaly(values[3], check_nan=values[4])
+    if values[5] != now[5]:
+        set_fp32_precision(CPU_PRECISION_OPS, values[5])
+    if values[6] != now[6]:
+        _set_sdp_settings(values[6])
