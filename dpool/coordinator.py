@@ -377,18 +377,18 @@ class Runtime:
             return
         names = [_patches.name_of(*refs[j]) for j in differ]
         log.info("repeating %d run-time patches of the model's code in the workers: %s", len(differ), ", ".join(names))
-        sent, unsent = [], []
-        for j in differ:
-            owner, name = refs[j]
+        sent: dict[int, bytes] = {}  # ref index -> the pickled patch
+        unsent = []
+        for j, name in zip(differ, names):
             try:
-                sent.append(_patches.pickle_patch(owner, name, _patches.value_of(owner, name)))
+                sent[j] = _patches.pickle_patch(*refs[j], _patches.value_of(*refs[j]))
             except Exception as exc:
-                unsent.append(f"{_patches.name_of(owner, name)} (cannot be pickled: {exc})")
+                unsent.append(f"{name} (cannot be pickled: {exc})")
         if sent:
-            self._call(indices, functools.partial(_patches.apply, sent))
-            theirs = self._call(indices, functools.partial(_patches.fingerprints_at, [places[j] for j in differ]))
-            unsent += sorted({names[k] for t in theirs.values() for k, (j, b) in enumerate(zip(differ, t))
-                              if ours[j] != b} - {u.split(" ")[0] for u in unsent})
+            self._call(indices, functools.partial(_patches.apply, list(sent.values())))
+            theirs = self._call(indices, functools.partial(_patches.fingerprints_at, [places[j] for j in sent]))
+            unsent += sorted({_patches.name_of(*refs[j]) for t in theirs.values() for j, b in zip(sent, t)
+                              if ours[j] != b})
         if unsent:
             warnings.warn(
                 f"dpool: the workers run other code than this process for {', '.join(unsent)}: it was changed at "
@@ -944,11 +944,8 @@ class Runtime:
 
     @_one_call_at_a_time
     def call_workers(self, fn: Any) -> list[Any]:
-        payload = cloudpickle.dumps(fn)
         self._slot_gen += 1  # fn may run anything on the replicas, a backward included
-        replies = self._request({i: P.Call(payload) for i in range(self.n)}, "running a function")
-        self._raise_failures(replies, "worker_states")
-        return [cloudpickle.loads(replies[i].result) for i in range(self.n)]
+        return list(self._call(range(self.n), fn).values())
 
     @_one_call_at_a_time
     def inspect(self) -> list[tuple[int, int]]:

@@ -46,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 from .errors import DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError
 from .layout import Layout
 from .tensors import dense_strides, dtype_name
+from .transport.base import standalone
 
 __all__ = ["Master"]
 
@@ -271,8 +272,7 @@ class Master:
                 if not isinstance(a, torch.Tensor) or (indices is not None and i not in indices):
                     continue
                 first = t.storage_offset() * t.element_size() + offset
-                a.data = torch.empty(0, dtype=a.dtype, device=t.device).set_(
-                    t.untyped_storage(), first // a.element_size(), a.shape, a.stride())
+                a.data = standalone(t.untyped_storage(), t.device, first, a.dtype, a.shape, list(a.stride()))
 
     # ------------------------------------------------------------------ attributes and hooks
     def snapshot(self) -> None:

@@ -44,6 +44,7 @@ from dpool.loss import split_loss
 from dpool import protocol as P
 from dpool.tensors import DTYPES, Placer, check_tensor, from_bytes, meta_nbytes, read
 from dpool.transport import attach
+from dpool.transport.base import standalone
 from dpool.transport.shm import Mapped
 from dpool.sync_batchnorm import _set_collective
 
@@ -210,10 +211,8 @@ class Replica:
             if kind == "a":  # a plain tensor attribute viewing a parameter's or buffer's memory
                 _, of, i, offset, dt, shape, strides = pid
                 base = self.param_views[i] if of == "p" else self.buffer_views[i]
-                dtype = DTYPES[dt]
                 first = base.storage_offset() * base.element_size() + offset
-                return torch.empty(0, dtype=dtype, device=base.device).set_(
-                    base.untyped_storage(), first // dtype.itemsize, shape, strides)
+                return standalone(base.untyped_storage(), base.device, first, DTYPES[dt], shape, list(strides))
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
         model = _Unpickler(msg.model, load).load()

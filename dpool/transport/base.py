@@ -1,9 +1,11 @@
 """What every transport's regions share: alignment and cached tensor views over their bytes."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["ALIGN", "align", "Views", "tensor_view"]
+__all__ = ["ALIGN", "align", "Views", "tensor_view", "standalone"]
 
 ALIGN = 64
 
@@ -46,3 +48,23 @@ def tensor_view(u8: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[i
         numel *= s
     nbytes = numel * dtype.itemsize
     return u8[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def standalone(storage: Any, device: torch.device, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
+               strides: list[int] | None = None) -> torch.Tensor:
+    """A tensor over bytes ``offset..`` of ``storage`` with its *own* TensorImpl (and version counter).
+
+    Like :func:`dpool.transport.shm.standalone_view`: BatchNorm's in-place update of one buffer must not
+    invalidate another tensor saved for backward. Any device: CUDA arenas build their tensors with it, and
+    a plain tensor attribute that views a parameter is rebuilt over the parameter's memory with it.
+    """
+    t = torch.empty(0, dtype=dtype, device=device)
+    shape = list(shape)
+    if strides is None:
+        strides = list(torch.empty(shape, device="meta").stride())
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return t.set_(storage, offset // dtype.itemsize, shape, strides)

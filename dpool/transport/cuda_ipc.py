@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .base import Views
+from .base import Views, standalone
 
 __all__ = ["Arena", "Imported", "STATS", "release", "drop_imports", "standalone"]
 
@@ -55,25 +55,6 @@ STATS = {"exports": 0, "imports": 0, "releases": 0}
 
 # Worker side: every imported storage lives until the process exits (see NOTE [ CUDA ownership ]).
 _KEEP: list[Any] = []
-
-
-def standalone(storage: Any, device: torch.device, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
-               strides: list[int] | None = None) -> torch.Tensor:
-    """A tensor over bytes ``offset..`` of ``storage`` with its *own* TensorImpl (and version counter).
-
-    Like :func:`dpool.transport.shm.standalone_view`: BatchNorm's in-place update of one buffer must not
-    invalidate another tensor saved for backward.
-    """
-    t = torch.empty(0, dtype=dtype, device=device)
-    shape = list(shape)
-    if strides is None:
-        strides = list(torch.empty(shape, device="meta").stride())
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return t.set_(storage, offset // dtype.itemsize, shape, strides)
 
 
 def _expandable() -> bool:
