@@ -228,8 +228,8 @@ class Runtime:
         DataParallel re-replicates every forward, so it follows a new head, a new ``nn.Parameter``,
         ``dropout.p = 0`` or a hook registered after wrapping; dpool ships the changed model to the running
         workers once (new layout, new shared segment, new replicas). Graphs of earlier forwards can no
-        longer be backpropagated. A tensor attribute changed in place is seen (its version counter); other
-        objects changed in place (``model.config.x = y``) are not.
+        longer be backpropagated. A tensor attribute changed in place is seen (its version counter), and so
+        is an object the model holds changed in place (``model.config.x = y``: dpool/held.py).
         """
         master = self.master
         master.changed = False

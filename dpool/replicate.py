@@ -17,23 +17,28 @@ nn.DataParallel replicates the module on every forward. dpool does it once:
   submodule sets :attr:`Master.changed` through torch's registration hooks;
   any other attribute assigned (``module.scale = 2``, ``dropout.p = 0``) and
   any forward or backward hook added or removed is found by comparing the
-  modules' attributes (identity, or ``==``) before each forward (:meth:`Master.touched`), and
-  a tensor kept as a plain attribute and changed in place by its version counter.
+  modules' attributes (identity, or ``==``) before each forward (:meth:`Master.touched`), the
+  objects they hold (a config, a list, a dict: :mod:`dpool.held`) with copies of them, and a tensor kept
+  as a plain attribute or in such an object and changed in place by its version counter.
   In each of these cases the coordinator ships the model again, as
   DataParallel's per-forward replication would pick the change up.
-* A plain tensor attribute that views a parameter's or buffer's memory
-  (``self.w_t = self.lin.weight.detach().t()``) keeps viewing it: bind and
+* A plain tensor attribute, or a tensor the model holds in a list, dict or object, that views a
+  parameter's or buffer's memory (``self.w_t = self.lin.weight.detach().t()``) keeps viewing it: bind and
   unbind move it with its base, and it travels as a reference to that memory,
   so the optimizer's steps reach it as they reach the parameter
   (:meth:`Master._read_tensor_attributes`).
 * :meth:`Master.unbind` gives every tensor private memory again, so the
   module outlives the pool.
+* A function a library made at run time (a hook HF transformers installs, a closure) travels as its
+  code and closure and is rebuilt over the worker's import of its module (``_reduce_library_closure``),
+  so that its globals are its module's, as in one process, not copies.
 """
 from __future__ import annotations
 
 import io
 import itertools
 import pickle
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -43,6 +48,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.nn.utils import parametrize as _parametrize
 from torch.utils.hooks import RemovableHandle
 
+from . import held as _held
 from .errors import DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError
 from .layout import Layout
 from .tensors import dense_strides, dtype_name
@@ -67,6 +73,7 @@ class _Pickler(cloudpickle.Pickler):
         if isinstance(obj, torch.nn.Module) and _parametrize.is_parametrized(obj) and _CAN_REBUILD:
             return _reduce_parametrized(obj)
         return super().reducer_override(obj)
+
 
 
 # Modules with parametrizations (torch.nn.utils.parametrize: parametrizations.weight_norm, spectral_norm,
@@ -132,6 +139,7 @@ class Master:
         self.module = module
         self.device = device
         self.changed = False
+        self._warned_skipped: set[str] = set()
         self._hooks: list[Any] = []
         self.region: Any = None
         self.param_views: list[torch.Tensor] = []
@@ -236,39 +244,40 @@ class Master:
             if t.numel():
                 spans.setdefault(t.untyped_storage().data_ptr(), []).append((*_byte_span(t), i))
         own = {id(t) for t in bases}
-        self.aliases: list[tuple[torch.nn.Module, str, int, int]] = []
-        for where, m in self.module.named_modules():  # (the live tree: an alias on a module added later too)
-            for key, a in m.__dict__.items():
-                if refuse and isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and id(a) not in own:
+        named = list(self.module.named_modules())  # (the live tree: an alias on a module added later too)
+        held = _held.walk([m for _, m in named], ["model" + (f".{n}" if n else "") for n, _ in named])
+        self.aliases: list[tuple[Any, Any, int, int, str]] = []  # (holder, key, base index, byte offset, name)
+        for where, holder, key, a in held.tensors:
+            if (refuse and a.requires_grad and a.is_leaf and id(a) not in own
+                    and not isinstance(a, torch.nn.Parameter)):  # (a module's that is not a submodule: a copy)
+                raise UnsupportedError(
+                    f"{where} is a tensor that requires grad but is not an nn.Parameter of the model. dpool's "
+                    "workers would compute its gradient on their copies and never return it, so it would silently "
+                    "not train. Register it as an nn.Parameter (then model.parameters() has it), or "
+                    "requires_grad_(False) it if it is not meant to train."
+                )
+            if (id(a) in own or a.requires_grad or not a.numel() or a.is_inference()
+                    or a.untyped_storage().data_ptr() not in spans):
+                continue
+            start, end = _byte_span(a)
+            for b_start, b_end, i in spans[a.untyped_storage().data_ptr()]:
+                if b_start <= start and end <= b_end and (bases[i].is_contiguous() or dense_strides(bases[i])):
+                    self.aliases.append((holder, key, i, start - b_start, where))
+                    break
+                if start < b_end and b_start < end and refuse:
+                    name = (self.param_names + self.buffer_names)[i]
                     raise UnsupportedError(
-                        f"model{'.' + where if where else ''}.{key} is a tensor that requires grad but is not an "
-                        "nn.Parameter. dpool's workers would compute its gradient on their copies and never "
-                        "return it, so it would silently not train. Register it as an nn.Parameter (then "
-                        "model.parameters() has it), or requires_grad_(False) it if it is not meant to train."
+                        f"{where} is a plain tensor attribute that views part of {name}'s memory in a way dpool cannot keep "
+                        f"(it reaches outside {name}, or {name} is not dense): the workers would compute with a "
+                        "stale copy of it. Register it as a buffer, or compute it from the parameter in forward()."
                     )
-                if (not isinstance(a, torch.Tensor) or id(a) in own or a.requires_grad or not a.numel()
-                        or a.is_inference() or a.untyped_storage().data_ptr() not in spans):
-                    continue
-                start, end = _byte_span(a)
-                for b_start, b_end, i in spans[a.untyped_storage().data_ptr()]:
-                    if b_start <= start and end <= b_end and (bases[i].is_contiguous() or dense_strides(bases[i])):
-                        self.aliases.append((m, key, i, start - b_start))
-                        break
-                    if start < b_end and b_start < end and refuse:
-                        name = (self.param_names + self.buffer_names)[i]
-                        raise UnsupportedError(
-                            f"model{'.' + where if where else ''}.{key} is a plain tensor attribute that views part "
-                            f"of {name}'s memory in a way dpool cannot keep (it reaches outside {name}, or {name} "
-                            "is not dense): the workers would compute with a stale copy of it. Register it as a "
-                            "buffer, or compute it from the parameter in forward()."
-                        )
 
     def _move_aliases(self, indices: Any = None) -> None:
         """Point the aliases of the bases in ``indices`` (default: all) at their bases' memory now."""
         bases = self.params + self.buffers
         with torch.no_grad():
-            for m, key, i, offset in self.aliases:
-                a, t = m.__dict__.get(key), bases[i]
+            for holder, key, i, offset, _ in self.aliases:
+                a, t = _held.get(holder, key), bases[i]
                 if not isinstance(a, torch.Tensor) or (indices is not None and i not in indices):
                     continue
                 first = t.storage_offset() * t.element_size() + offset
@@ -290,15 +299,28 @@ class Master:
         self._hook_keys = list(map(tuple, self._hook_dicts))
         self._nhooks = sum(map(len, self._hook_keys))
         self._next_handle = RemovableHandle.next_id
-        # tensors kept as plain attributes (``self.mask = torch.tril(...)``, not buffers) travel by value, so
-        # an in-place change (``model.mask[0] = 0``, ``model.temperature.fill_(2)``) must ship them again:
-        # their version counters say so (inference tensors have none, and cannot change outside inference)
-        # (an alias of a parameter or buffer changes with it, and travels by reference: see _read_tensor_attributes)
-        aliased = {id(m.__dict__.get(key)) for m, key, _, _ in self.aliases}
-        tensors = [(f"{w}.{k}", v) for w, d in zip(self._where, self._dicts) for k, v in d.items()
-                   if isinstance(v, torch.Tensor) and not v.is_inference() and id(v) not in aliased]
-        self._tensor_names = [n for n, _ in tensors]
-        self._tensors = [t for _, t in tensors]
+        # objects the modules hold (``self.config``, ``self.scales = [1.0, 2.0]``) travel by value, so a change
+        # inside one after wrap() (``model.config.output_hidden_states = True``) must ship them again: each
+        # container found is compared with a copy (dpool/held.py says which are followed)
+        held = self._held = _held.walk(self.modules, self._where)
+        for name in held.skipped:
+            if name not in self._warned_skipped:
+                self._warned_skipped.add(name)
+                warnings.warn(
+                    f"dpool: {name} holds more than dpool follows ({_held.LIMIT} entries in all, {_held.DEPTH} "
+                    "levels deep): a change made inside it after dpool.wrap() will not reach the workers. Close "
+                    "the model and wrap it again after such a change, or keep large objects outside the model.",
+                    RuntimeWarning, stacklevel=4)
+        # tensors kept as plain attributes (``self.mask = torch.tril(...)``, not buffers) or in such objects
+        # travel by value, so an in-place change (``model.mask[0] = 0``, ``model.temperature.fill_(2)``) must
+        # ship them again: their version counters say so (inference tensors have none, and cannot change
+        # outside inference) (an alias of a parameter or buffer changes with it, and travels by reference: see
+        # _read_tensor_attributes; the model's own parameters and buffers travel by reference too)
+        skip = {id(_held.get(holder, key)) for holder, key, _, _, _ in self.aliases}
+        skip.update(map(id, self.params + self.buffers))
+        tensors = {id(t): (name, t) for name, _, _, t in held.tensors if not t.is_inference() and id(t) not in skip}
+        self._tensor_names = [n for n, _ in tensors.values()]
+        self._tensors = [t for _, t in tensors.values()]
         self._versions = [t._version for t in self._tensors]
 
     def touched(self) -> bool:
@@ -307,7 +329,8 @@ class Master:
 
         It runs before every forward, so it compares in C: the list of every module's attribute values
         against the snapshot's (identical objects compare equal without a call; ~0.7 µs for the
-        benchmark's probe, ~5 µs for its mlp, ~30 µs for 120 modules), the hooks' count, and torch's
+        benchmark's probe, ~5 µs for its mlp, ~30 µs for 120 modules), the held containers against their
+        copies (~9 ns per entry), the held tensors' versions, the hooks' count, and torch's
         count of hook handles ever made (when that moved, the hooks' keys: a hook made on a tensor or on
         another model costs ~20 µs, not a closer look). An attribute replaced by an equal value (``==``) counts as
         unchanged: the replicas' copy behaves the same.
@@ -318,6 +341,8 @@ class Master:
             return True
         try:
             if list(itertools.chain.from_iterable(self._values)) != self._flat:
+                return True
+            if self._held.containers and self._held.containers != self._held.copies:
                 return True
         except Exception:  # an __eq__ that cannot answer (a tensor's, an array's): look closer
             return True
@@ -349,6 +374,7 @@ class Master:
                     if tuple(d) != keys]
         changes += [f"{name} (changed in place)" for name, t, version in
                     zip(self._tensor_names, self._tensors, self._versions) if t._version != version]
+        changes += [f"{name} (changed in place)" for name in self._held.changed()]
         return changes
 
     def same_objects(self) -> bool:
@@ -374,11 +400,11 @@ class Master:
             v.copy_(b.detach())
             self.buffer_views.append(v)
         bases = self.params + self.buffers
-        for m, key, i, _ in self.aliases:
+        for _, _, i, _, where in self.aliases:
             t, v = bases[i], (self.param_views + self.buffer_views)[i]
             if t.stride() != v.stride() and not (t.is_contiguous() and v.is_contiguous()):
                 raise UnsupportedError(
-                    f"{key} of {type(m).__name__} is a plain tensor attribute that views "
+                    f"{where} is a plain tensor attribute that views "
                     f"{(self.param_names + self.buffer_names)[i]}, whose shared copy is laid out row-major: "
                     "it cannot keep viewing it. Register it as a buffer, or compute it in forward()."
                 )
@@ -430,8 +456,8 @@ class Master:
         for i, b in enumerate(self.buffers):
             ids.setdefault(id(b), ("b", i))
         n = len(self.params)
-        for m, key, i, offset in self.aliases:
-            a = m.__dict__.get(key)
+        for holder, key, i, offset, _ in self.aliases:
+            a = _held.get(holder, key)
             if isinstance(a, torch.Tensor):
                 ids.setdefault(id(a), ("a", "p" if i < n else "b", i if i < n else i - n, offset,
                                        dtype_name(a.dtype), tuple(a.shape), tuple(a.stride())))

@@ -7,6 +7,7 @@ import functools
 import os
 import signal
 import threading
+import types
 import time
 
 import psutil
@@ -274,6 +275,75 @@ def test_a_tensor_attribute_viewing_a_parameter_follows_it(wrap):
     model.close()
     assert net.w_t.data_ptr() == net.lin.weight.data_ptr() and net.half_shift.data_ptr() == net.shift[6:].data_ptr()
     assert net.extra.data_ptr() == net.lin.bias.data_ptr()
+
+
+class _Settings:
+    """A plain settings object, as a model's config is (HF's PretrainedConfig is one)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+        self.act = "tanh"
+        self.extra = types.SimpleNamespace(shift=0.0)
+
+
+class _Holder(nn.Module):
+    """A forward that reads objects the model holds: a config, a list, a dict of tensors, a list with a view of
+    the weight, and a frozen module kept in a list (out of ``parameters()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.config = _Settings()
+        self.gains = [1.0, 1.0]
+        self.masks = {"keep": torch.ones(6)}
+        self.views = [self.lin.weight.detach()]
+        self.frozen = [nn.Linear(6, 6).requires_grad_(False)]
+
+    def forward(self, x):
+        h = getattr(torch, self.config.act)(self.lin(x)) * self.config.scale * self.gains[0]
+        return (h + self.config.extra.shift) * self.masks["keep"] + x @ self.views[0] + self.frozen[0](x)
+
+
+def test_objects_the_model_holds_changed_in_place_after_wrap_are_followed(wrap):
+    """`model.config.output_hidden_states = True`, `self.gains[0] = 2` or `self.masks["keep"][0] = 0` change
+    what one process computes, and DataParallel's replicas share those objects. dpool's workers computed
+    with their copies from wrap() (outputs apart by up to 18 after one change): each change must re-ship the
+    model once, and a list holding a view of the weight must follow the optimizer's steps with no re-ship."""
+    torch.manual_seed(0)
+    net = _Holder().double()
+    ref = copy.deepcopy(net)
+    for m in (net, ref):  # (.double() and deepcopy make new tensors)
+        m.views = [m.lin.weight.detach()]
+        m.frozen[0].double()
+    model = wrap(net)
+    changes = [
+        lambda m: setattr(m.config, "scale", 0.5),
+        lambda m: setattr(m.config, "act", "sigmoid"),
+        lambda m: setattr(m.config.extra, "shift", 0.25),
+        lambda m: m.gains.__setitem__(0, 2.0),
+        lambda m: m.masks["keep"].__setitem__(2, 0.0),
+        lambda m: m.masks.__setitem__("keep", torch.full((6,), 0.5, dtype=torch.float64)),
+        lambda m: m.frozen[0].weight.mul_(2),
+        None,
+    ]
+    g = torch.Generator().manual_seed(1)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    replicas = model.worker_states(id)
+    for i, change in enumerate(changes):
+        if change is not None:
+            change(net)
+            change(ref)
+        x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 6, generator=g, dtype=torch.float64)
+        _train(model, opt, [x], [y])
+        _train(ref, ref_opt, [x], [y])
+        shipped = model.worker_states(id)
+        assert (shipped != replicas) == (change is not None), f"change {i}: re-synced {shipped != replicas}"
+        replicas = shipped
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x), msg=f"change {i}")
+    torch.testing.assert_close(net.lin.weight, ref.lin.weight)
+    model.close()
+    assert net.views[0].data_ptr() == net.lin.weight.data_ptr()
 
 
 @pytest.mark.parametrize("case", ["flat_attribute", "buffer_view", "parameter_view"])
@@ -902,6 +972,7 @@ def test_huggingface_gpt2_with_cache_returns_one_dynamic_cache(wrap):
     for layer, ref_layer in zip(out.past_key_values.layers, ref.past_key_values.layers):
         torch.testing.assert_close(layer.keys, ref_layer.keys)
         torch.testing.assert_close(layer.values, ref_layer.values)
+
 
 
 class _Routed(nn.Module):

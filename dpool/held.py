@@ -1,0 +1,171 @@
+"""What a model's modules hold besides parameters, buffers and submodules, found to follow it.
+
+A module's plain attributes travel to the workers by value, pickled with the model. One process, and
+DataParallel's replicas (``replicate`` copies each module's ``__dict__`` shallowly, so they share every
+object with the master), see an object the model holds change in place after ``wrap()``:
+``model.config.output_hidden_states = True``, ``self.scales[0] = 2.0``, ``self.masks["causal"].fill_(0)``,
+``self.views = [self.lin.weight.detach()]`` stepped by the optimizer. The workers' copies would not, and
+would silently compute with the old values.
+
+:func:`walk` goes through every module's attributes, and from there through what pickling sends by value:
+lists, tuples, dicts and sets, objects pickled as their ``__dict__`` (plain classes, dataclasses, HF's
+``PretrainedConfig``, ``SimpleNamespace``) and modules that are not registered as submodules. It returns
+the mutable containers among them with a copy of each (:attr:`Held.containers`, :attr:`Held.copies`: one
+list comparison in C, ``==`` with identity first, tells that one changed), and every tensor it met with
+where it is held (:attr:`Held.tensors`: their version counters tell an in-place change, and a tensor that
+views a parameter is kept viewing it). Not followed, and said in the README: objects with pickling of
+their own (``__getstate__``, ``__reduce__``, ``__slots__``), NumPy arrays changed in place, and what lies
+beyond :data:`LIMIT` entries or :data:`DEPTH` levels, which :attr:`Held.skipped` names for a warning.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["Held", "walk", "get", "LIMIT", "DEPTH"]
+
+LIMIT = 50_000  # entries of containers followed in all (compared before each forward: ~9 ns each)
+DEPTH = 6  # levels below a module's attribute
+
+# a module's own bookkeeping, followed otherwise (registration hooks, the hooks' keys)
+_MODULE_KEYS = frozenset(torch.nn.Module().__dict__) - {"training"}
+_ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format,
+          torch.layout, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
+          types.CodeType, range, slice, type(Ellipsis))
+_DEFAULT_GETSTATE = getattr(object, "__getstate__", None)
+
+
+@dataclass
+class Held:
+    """What :func:`walk` found.
+
+    Attributes:
+        containers: the mutable containers held (lists, dicts, sets, and the ``__dict__`` of held objects).
+        copies: a shallow copy of each, taken by :func:`walk`.
+        names: where each container is (``model.encoder.config``).
+        tensors: ``(name, holder, key, tensor)`` for every tensor met, with ``holder[key] is tensor``; a
+            module's own tensor attributes included (``holder`` is its ``__dict__``).
+        skipped: where the walk stopped at :data:`LIMIT` or :data:`DEPTH`.
+    """
+
+    containers: list[Any] = field(default_factory=list)
+    copies: list[Any] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    tensors: list[tuple[str, Any, Any, torch.Tensor]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def changed(self) -> list[str]:
+        """The containers that differ from their copies (an entry added, removed or replaced by another object)."""
+        return [name for name, live, copy in zip(self.names, self.containers, self.copies) if _differs(live, copy)]
+
+
+def _differs(live: Any, copy: Any) -> bool:
+    if isinstance(copy, dict):
+        return live.keys() != copy.keys() or any(live[k] is not v for k, v in copy.items())
+    if isinstance(copy, list):
+        return len(live) != len(copy) or any(a is not b for a, b in zip(live, copy))
+    return live != copy  # a set: its members by hash and ==
+
+
+def _pickled_as_dict(obj: Any) -> bool:
+    """Whether pickle sends ``obj`` as its class and its ``__dict__`` (nothing of its own decides what goes)."""
+    cls = type(obj)
+    if cls is types.SimpleNamespace:
+        return True
+    return (cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__
+            and getattr(cls, "__getstate__", None) is _DEFAULT_GETSTATE and not hasattr(cls, "__slots__")
+            and isinstance(getattr(obj, "__dict__", None), dict))
+
+
+def _children(obj: Any) -> tuple[Any, Any, list[tuple[Any, Any]], str] | None:
+    """``(live container or None, its copy, (key, value) pairs, how a key is written)`` for an object the walk
+    goes into, else None. A tuple's or frozenset's members are walked, but the container cannot change."""
+    if isinstance(obj, dict):
+        return obj, dict(obj), list(obj.items()), "[{!r}]"
+    if isinstance(obj, list):
+        return obj, list(obj), list(enumerate(obj)), "[{!r}]"
+    if isinstance(obj, tuple):
+        return None, None, list(enumerate(obj)), "[{!r}]"
+    if isinstance(obj, (set, frozenset)):
+        return (obj if isinstance(obj, set) else None), set(obj), [(None, v) for v in obj], ""
+    if _pickled_as_dict(obj):
+        d = obj.__dict__
+        return d, dict(d), list(d.items()), ".{}"
+    return None
+
+
+def walk(modules: Sequence[torch.nn.Module], where: Sequence[str]) -> Held:
+    """Walk what ``modules`` (every module of the model, named ``where``) hold, as the module docstring says."""
+    held = Held()
+    seen = {id(m) for m in modules}  # a registered submodule: its attributes are compared as a module's
+    stack: list[tuple[str, Any, Any, Any, int]] = []
+    for m, name in zip(reversed(modules), reversed(where)):
+        d = m.__dict__
+        stack.extend((f"{name}.{k}", d, k, v, 0) for k, v in reversed(d.items()) if k not in _MODULE_KEYS)
+    entries = 0
+    while stack:
+        name, holder, key, obj, depth = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            held.tensors.append((name, holder, key, obj))
+            continue
+        if isinstance(obj, _ATOMS) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            entries = _module(held, obj, name, depth, seen, stack, entries)
+            continue
+        found = _children(obj)
+        if found is None:
+            continue
+        live, copy, items, style = found
+        if depth >= DEPTH or entries + len(items) > LIMIT:
+            held.skipped.append(name)
+            continue
+        entries += len(items)
+        if live is not None:
+            held.containers.append(live)
+            held.copies.append(copy)
+            held.names.append(name)
+        if isinstance(obj, (set, frozenset)):  # (no key: the tensor is found through a list of its own)
+            stack.extend((name + "{...}", [v], 0, v, depth + 1) for _, v in items)
+            continue
+        inner = obj.__dict__ if style == ".{}" else obj  # where obj[key] is
+        stack.extend((name + style.format(k), inner, k, v, depth + 1) for k, v in reversed(items))
+    return held
+
+
+def _module(held: Held, module: torch.nn.Module, name: str, depth: int, seen: set[int], stack: list,
+            entries: int) -> int:
+    """Walk a module held but not registered as a submodule (``self.teacher = [resnet]``, kept out of
+    ``parameters()``): it is pickled whole, by value. Its modules' attributes, parameters, buffers and
+    submodules are followed, named as in its ``named_parameters()``; its hooks are not."""
+    for sub_name, sub in module.named_modules():
+        if sub is not module and id(sub) in seen:  # (a module of the model: followed as such)
+            continue
+        seen.add(id(sub))
+        at = name + (f".{sub_name}" if sub_name else "")
+        dicts = (sub.__dict__, sub._parameters, sub._buffers, sub._modules)
+        if entries + sum(map(len, dicts)) > LIMIT:
+            held.skipped.append(at)
+            continue
+        entries += sum(map(len, dicts))
+        for d in dicts:
+            held.containers.append(d)
+            held.copies.append(dict(d))
+            held.names.append(at)
+        for d in (sub._parameters, sub._buffers):
+            stack.extend((f"{at}.{k}", d, k, t, depth + 1) for k, t in d.items() if t is not None)
+        stack.extend((f"{at}.{k}", sub.__dict__, k, v, depth + 1) for k, v in sub.__dict__.items()
+                     if k not in _MODULE_KEYS)
+    return entries
+
+
+def get(holder: Any, key: Any) -> Any:
+    """``holder[key]``, or None when it is gone (a list that got shorter, a dict entry deleted)."""
+    try:
+        return holder[key]
+    except (KeyError, IndexError, TypeError):
+        return None
