@@ -35,15 +35,19 @@ nn.DataParallel replicates the module on every forward. dpool does it once:
 """
 from __future__ import annotations
 
+import importlib
 import io
 import itertools
 import pickle
+import sys
+import types
 import warnings
 import weakref
 from typing import Any, Callable
 
 import cloudpickle
 import torch
+from cloudpickle import cloudpickle as _cloudpickle_internals
 from torch.nn.modules import module as _module_hooks
 from torch.nn.utils import parametrize as _parametrize
 from torch.utils.hooks import RemovableHandle
@@ -72,8 +76,56 @@ class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.nn.Module) and _parametrize.is_parametrized(obj) and _CAN_REBUILD:
             return _reduce_parametrized(obj)
+        if isinstance(obj, types.FunctionType) and _library_closure(obj):
+            return _reduce_library_closure(obj)
         return super().reducer_override(obj)
 
+
+# A function a library made at run time (a closure: a hook HF transformers installs on the model when hidden
+# states are first asked for) has no name to be imported by, so cloudpickle sends it by value, and with it
+# the module globals it names, by value too: copies. In the workers it would then read a copy of its
+# module's state (HF's hooks: a copy of the context variable the model's forward sets, so they would never
+# fire), or not pickle at all (a ContextVar, a lock). In one process its globals are its module's; so here:
+# the function travels as its code, closure and attributes, and is rebuilt over the worker's own import of
+# its module. Functions of the script (``__main__``) and of modules registered to pickle by value keep
+# cloudpickle's way.
+class _EmptyCell:
+    """Stands for a closure cell not yet assigned (pickled by reference, as a class)."""
+
+
+def _library_closure(func: types.FunctionType) -> bool:
+    module = sys.modules.get(func.__module__ or "")
+    if (module is None or module.__name__ == "__main__" or getattr(module, "__spec__", None) is None
+            or func.__globals__ is not getattr(module, "__dict__", None)):  # (a module made at run time: by value)
+        return False
+    return (not _cloudpickle_internals._should_pickle_by_reference(func)
+            and not _cloudpickle_internals._is_registered_pickle_by_value(module))
+
+
+def _reduce_library_closure(func: types.FunctionType) -> tuple:
+    cells = []
+    for cell in func.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:
+            cells.append(_EmptyCell)
+    state = (func.__qualname__, func.__defaults__, func.__kwdefaults__, tuple(cells), dict(func.__dict__))
+    # (state after the skeleton, so that a closure that refers to itself pickles)
+    return (_function_skeleton, (func.__module__, func.__code__, func.__name__, len(cells)), state, None, None,
+            _fill_function)
+
+
+def _function_skeleton(module: str, code: types.CodeType, name: str, ncells: int) -> types.FunctionType:
+    closure = tuple(types.CellType() for _ in range(ncells)) or None
+    return types.FunctionType(code, importlib.import_module(module).__dict__, name, None, closure)
+
+
+def _fill_function(func: types.FunctionType, state: tuple) -> None:
+    func.__qualname__, func.__defaults__, func.__kwdefaults__, cells, attributes = state
+    for cell, value in zip(func.__closure__ or (), cells):
+        if value is not _EmptyCell:
+            cell.cell_contents = value
+    func.__dict__.update(attributes)
 
 
 # Modules with parametrizations (torch.nn.utils.parametrize: parametrizations.weight_norm, spectral_norm,

@@ -974,6 +974,28 @@ def test_huggingface_gpt2_with_cache_returns_one_dynamic_cache(wrap):
         torch.testing.assert_close(layer.values, ref_layer.values)
 
 
+def test_huggingface_hidden_states_and_config_changes_reach_the_workers(wrap):
+    """transformers 5 captures hidden states with hooks: their registry is filled in a model's __init__, which
+    a replica never runs (dpool returned `hidden_states=None`), and the hooks, once installed on the model
+    (by any forward that asked for them), refer to their module's context variable (dpool could not
+    ship such a model at all). And HF's forward reads its config, so a change to it after wrap() counts."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0,
+                     eos_token_id=0)
+    ids = torch.randint(0, 100, (5, 8))
+    net = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        ref = net(input_ids=ids, output_hidden_states=True)  # (installs the hooks on the model)
+        model = wrap(net)
+        out = model(input_ids=ids, output_hidden_states=True)
+        assert out.hidden_states is not None and len(out.hidden_states) == len(ref.hidden_states) == 3
+        torch.testing.assert_close(out.hidden_states, ref.hidden_states)
+        assert model(input_ids=ids).hidden_states is None
+        net.config.output_hidden_states = True  # HF's forward reads its config: DataParallel follows it
+        torch.testing.assert_close(model(input_ids=ids).hidden_states, ref.hidden_states)
+
 
 class _Routed(nn.Module):
     """Rows whose first feature is positive also go through ``extra``: which shards use it depends on the data."""

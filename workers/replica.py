@@ -47,6 +47,7 @@ from dpool.transport import attach
 from dpool.transport.base import standalone
 from dpool.transport.shm import Mapped
 from dpool.sync_batchnorm import _set_collective
+from .libraries import prepare
 
 # Largest model (bytes of parameters) whose gradients a CPU worker copies to its slot in one pass after the
 # backward instead of one hook call per parameter as each is accumulated (see the module's docstring).
@@ -218,6 +219,7 @@ class Replica:
         model = _Unpickler(msg.model, load).load()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+        prepare(model)  # (what the model's classes' __init__ set up in the coordinator's process)
         missing = [i for i in range(len(self.param_views)) if i not in params]
         if missing:
             raise RuntimeError(f"parameters {missing} of the layout did not appear in the pickled model")
