@@ -252,6 +252,12 @@ class Runtime:
                     f"{what} changed after dpool.wrap(), and the workers cannot follow: {exc} Nothing was "
                     "changed, and each forward raises this until that attribute is deleted or picklable (keep "
                     "loggers, writers and handles outside the model).") from None
+        else:  # what collect() refuses (a buffer that views a parameter) is raised while nothing changed
+            try:
+                Master.check(master.module, master.device)
+            except BaseException:
+                master.changed = True  # (and again at the next forward, until the change is undone)
+                raise
         old_region = master.region
         master.unbind()  # what we bound so far gets private memory: the old segment goes
         try:

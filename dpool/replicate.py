@@ -201,6 +201,18 @@ class Master:
     # ------------------------------------------------------------------ reading the module
     def collect(self) -> None:
         """Read the module's parameters and buffers (names, tensors), refusing what dpool cannot run."""
+        self._read()
+        self.snapshot()
+
+    @classmethod
+    def check(cls, module: torch.nn.Module, device: torch.device) -> None:
+        """Raise what :meth:`collect` would refuse in ``module`` as it is now, changing nothing: before a
+        re-sync gives up the old shared memory, so that a refused change leaves the pool as it was."""
+        probe = cls.__new__(cls)
+        probe.module, probe.device = module, device
+        probe._read()
+
+    def _read(self) -> None:
         module = self.module
         self.param_names = [n for n, _ in module.named_parameters()]
         self.params = list(module.parameters())
@@ -243,7 +255,6 @@ class Master:
                 )
         self._refuse_overlaps()
         self._read_tensor_attributes()
-        self.snapshot()
 
     def _refuse_overlaps(self) -> None:
         """Refuse parameters and buffers that share memory (``register_buffer("w_t", lin.weight.detach().t())``).

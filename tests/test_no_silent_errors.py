@@ -393,6 +393,29 @@ def test_a_trainable_tensor_that_is_not_a_parameter_is_refused(wrap):
     assert model.worker_states(id) == replicas
 
 
+def test_a_refused_change_after_wrap_leaves_the_pool_as_it_was(wrap):
+    """What wrap() refuses, done afterwards: a buffer registered as a view of a weight was silently parted
+    from it at the re-sync (no error), and a trainable plain tensor set together with a new submodule broke
+    the pool for good (PoolBrokenError) rather than raising at each forward until it was undone."""
+    net = _Knobs()
+    model = wrap(net)
+    x = torch.randn(4, 6)
+    before = model(x).detach()
+    net.lin.register_buffer("w_view", net.lin.weight.detach()[:2])
+    for _ in range(2):
+        with pytest.raises(dpool.UnsupportedError, match=r"lin\.weight and lin\.w_view share memory"):
+            model(x)
+    del net.lin.w_view
+    torch.testing.assert_close(model(x), before)
+    net.tail = nn.Identity()
+    net.act.alpha = torch.ones(1, requires_grad=True)
+    for _ in range(2):
+        with pytest.raises(dpool.UnsupportedError, match=r"model\.act\.alpha is a tensor that requires grad"):
+            model(x)
+    del net.act.alpha
+    torch.testing.assert_close(model(x), before)
+
+
 def test_an_unpicklable_attribute_set_after_wrap_is_named_and_breaks_nothing(wrap):
     """A logger, writer or lock hung on the model after wrap() cannot be shipped: every forward says which
     attribute, the pool and the master stay as they were, and deleting it lets training go on."""
