@@ -49,6 +49,9 @@ class Held:
         tensors: ``(name, holder, key, tensor)`` for every tensor met, with ``holder[key] is tensor``; a
             module's own tensor attributes included (``holder`` is its ``__dict__``).
         skipped: where the walk stopped at :data:`LIMIT` or :data:`DEPTH`.
+        generators: ``(name, generator)`` for every ``torch.Generator`` held (``self.gen =
+            torch.Generator().manual_seed(0)``, for ``torch.randn(..., generator=self.gen)``): each worker
+            holds a copy in the same state, which it seeds per shard at each forward.
     """
 
     containers: list[Any] = field(default_factory=list)
@@ -56,6 +59,7 @@ class Held:
     names: list[str] = field(default_factory=list)
     tensors: list[tuple[str, Any, Any, torch.Tensor]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    generators: list[tuple[str, torch.Generator]] = field(default_factory=list)
 
     def changed(self) -> list[str]:
         """The containers that differ from their copies (an entry added, removed or replaced by another object)."""
@@ -110,6 +114,11 @@ def walk(modules: Sequence[torch.nn.Module], where: Sequence[str]) -> Held:
         name, holder, key, obj, depth = stack.pop()
         if isinstance(obj, torch.Tensor):
             held.tensors.append((name, holder, key, obj))
+            continue
+        if isinstance(obj, torch.Generator):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                held.generators.append((name, obj))
             continue
         if isinstance(obj, _ATOMS) or id(obj) in seen:
             continue

@@ -266,6 +266,31 @@ def test_loss_on_workers_no_sync_and_worker_states(wrap):
     assert devices == [("cuda:0", "0"), ("cuda:0", "0")]
 
 
+class _GpuDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+
+    def forward(self, x):
+        return F.dropout(torch.ones_like(x), 0.5) + 0 * self.lin(x)
+
+
+def test_each_gpu_shard_draws_its_own_random_numbers(wrap):
+    """Every process's CUDA generator starts from the same constant, and only the CPU's was seeded per
+    shard: two GPU workers drew the same dropout masks for their shards. Now each shard seeds the GPU's
+    too, from the forward's draw: masks differ between the shards and repeat under the same seed."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = wrap(_GpuDropout().to(DEV), IDS)
+        runs.append(torch.cat([model(torch.zeros(2, 256, device=DEV)).detach() for _ in range(2)]))
+        model.close()
+    a, b = runs
+    assert not torch.equal(a[0], a[1]), "the two shards drew the same dropout mask"
+    assert not torch.equal(a[0], a[2])  # each forward draws new masks
+    assert torch.equal(a, b)  # and the same seed repeats them
+
+
 def test_ipc_work_happens_once_not_per_step(wrap):
     """Exports and imports happen at wrap() and when a buffer grows, never in a steady-state step."""
     net = MLP().to(DEV)

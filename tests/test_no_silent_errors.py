@@ -743,6 +743,36 @@ def test_the_same_seed_gives_the_same_run(wrap):
     assert not torch.equal(a[0][:4], a[0][4:])  # and the two shards draw different ones
 
 
+class _Noise(nn.Module):
+    """Noise from a generator the model holds (``torch.randn(..., generator=self.gen)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        return self.lin(x) + torch.randn(x.shape, generator=self.gen)
+
+
+def test_a_generator_the_model_holds_gives_each_shard_its_own_numbers(wrap):
+    """Every worker holds a copy of the generator in the same state, so each shard drew the same noise as
+    the others: the batch's rows came in identical groups, which one process never gives. Each shard
+    now seeds its copy from the forward's draw, as its default generator."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = wrap(_Noise())
+        x = torch.zeros(8, 16)
+        runs.append([model(x).detach() - model.module.lin(x).detach() for _ in range(2)])
+        model.close()
+    (a, b), (a2, b2) = runs
+    assert not torch.allclose(a[:4], a[4:]), "the two shards drew the same numbers"
+    assert not torch.allclose(a, b)  # each forward draws new numbers
+    assert torch.equal(a, a2) and torch.equal(b, b2)  # and the same seed repeats them
+    assert abs(float(a.std()) - 1) < 0.3
+
+
 def test_isinstance_dataparallel_unwraps_like_torch(wrap):
     """HF Trainer, timm and Lightning unwrap with isinstance(model, nn.DataParallel) → model.module."""
     net = models.make("mlp")
