@@ -376,9 +376,11 @@ class Runtime:
         places = _patches.addresses(refs)
         theirs = self._call(indices, functools.partial(_patches.fingerprints_at, places))
         # (a name the workers lack was added here, as transformers adds Module.smart_apply: their code does not
-        # use it, and repeating it could import a library there for nothing)
+        # use it, and repeating it could import a library there for nothing; but an entry added to a
+        # registry, as AttentionInterface.register("mine", fn), is what the config names)
         differ = sorted({j for t in theirs.values() for j, (a, b) in enumerate(zip(ours, t))
-                         if a != b and b != _patches.MISSING and not _patches.instrumentation(a)})
+                         if a != b and (b != _patches.MISSING or isinstance(refs[j][0], _patches.Registry))
+                         and not _patches.instrumentation(a)})
         if not differ:
             return
         names = [_patches.name_of(*refs[j]) for j in differ]

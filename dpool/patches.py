@@ -8,7 +8,10 @@ silently compute with the unpatched code.
 
 :func:`code_refs` lists what the model's code reads when it runs: the attributes of every class in its
 modules' MROs (methods, properties, class constants), and the functions, classes and module attributes
-those methods, and the functions they call, name as globals (two calls deep). :func:`fingerprints`
+those methods, and the functions they call, name as globals (two calls deep), and the entries of the
+mappings of functions they name as globals (a :class:`Registry`: HF's ``ALL_ATTENTION_FUNCTIONS``, to
+which ``AttentionInterface.register`` adds; an entry missing in the workers is sent too, as the config
+names it). :func:`fingerprints`
 describes each without pickling it: a function by its module, qualified name, code name and first line
 (a patch made with ``functools.wraps`` copies the first two, not the others), a constant by its ``repr``.
 After shipping the model, the coordinator (``Runtime._follow_patches``) compares its fingerprints with
@@ -24,18 +27,36 @@ import io
 import pickle
 import sys
 import types
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 import cloudpickle
 import torch
 
-__all__ = ["code_refs", "fingerprints", "addresses", "fingerprints_at", "value_of", "name_of", "pickle_patch", "apply",
+__all__ = ["Registry", "code_refs", "fingerprints", "addresses", "fingerprints_at", "value_of", "name_of", "pickle_patch", "apply",
            "instrumentation", "MISSING"]
 
 _CONSTANTS = (bool, int, float, str, bytes, type(None))
 _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
               types.WrapperDescriptorType, type)
 _MAX_FUNCTIONS = 4000  # a bound on the walk through globals (a large model's classes reach ~1000)
+_MAX_ENTRIES = 1000  # a bound on the entries read of one registry
+
+
+class Registry:
+    """A mapping of functions the model's code reads by key from a module global, as a registry (HF's
+    ``ALL_ATTENTION_FUNCTIONS``, to which ``AttentionInterface.register("mine", fn)`` adds, and whose key
+    the config names; ``LOSS_MAPPING``; ``ROPE_INIT_FUNCTIONS``): its entries are patched like attributes.
+    It pickles as its address, so that a worker finds its own."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+        self.mapping: Any = getattr(sys.modules.get(module), name, None)
+
+    def __reduce__(self) -> tuple:
+        return Registry, (self.module, self.name)
+
+
 
 
 def _functions_of(value: Any) -> list[types.FunctionType]:
@@ -72,6 +93,8 @@ def name_of(owner: Any, name: str) -> str:
     """``owner.name`` written out: ``torch.nn.modules.activation.Tanh.forward``."""
     if isinstance(owner, types.ModuleType):
         return f"{owner.__name__}.{name}"
+    if isinstance(owner, Registry):
+        return f"{owner.module}.{owner.name}[{name!r}]"
     return f"{owner.__module__}.{owner.__qualname__}.{name}"
 
 
@@ -104,6 +127,13 @@ def code_refs(model: torch.nn.Module) -> list[tuple[Any, str]]:
                 for attr in names:
                     if isinstance(members.get(attr), _CALLABLES):
                         refs.setdefault((id(value), attr), (value, attr))
+            elif (isinstance(value, Mapping) and module is not None and _importable(module)
+                    and len(value) <= _MAX_ENTRIES):
+                registry = Registry(module.__name__, name)
+                if registry.mapping is value:
+                    for key, entry in list(value.items()):
+                        if isinstance(key, str) and isinstance(entry, _CALLABLES):
+                            refs.setdefault((id(value), key), (registry, key))
             elif isinstance(value, _CALLABLES) and module is not None and _importable(module):
                 refs.setdefault((id(module), name), (module, name))
                 if isinstance(value, types.FunctionType) and depth[id(fn)] < 2 and id(value) not in depth:
@@ -142,6 +172,8 @@ def instrumentation(fingerprint: Any) -> bool:
 def value_of(owner: Any, name: str) -> Any:
     """``owner.name`` as the code finds it (a class's own attribute, not an inherited one)."""
     try:
+        if isinstance(owner, Registry):
+            return owner.mapping[name] if owner.mapping is not None and name in owner.mapping else _MISSING
         return vars(owner).get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
     except Exception:  # (a module whose __getattr__ fails)
         return _MISSING
@@ -150,6 +182,7 @@ def value_of(owner: Any, name: str) -> Any:
 def addresses(refs: Iterable[tuple[Any, str]]) -> list[tuple[str, str, str]]:
     """``refs`` by name: ``(module, qualified name of the class or "", attribute)``."""
     return [(owner.__name__, "", name) if isinstance(owner, types.ModuleType)
+            else (owner.module, f"[{owner.name}]", name) if isinstance(owner, Registry)
             else (owner.__module__, owner.__qualname__, name) for owner, name in refs]
 
 
@@ -157,6 +190,8 @@ def _resolve(module: str, qualname: str) -> Any:
     """The module or class at that address in this process, or None where its module is not imported
     (then no code here uses it, and importing it only to look would cost seconds for a large library)."""
     found: Any = sys.modules.get(module)
+    if qualname.startswith("["):  # a registry: the module's global of that name
+        return None if found is None else Registry(module, qualname[1:-1])
     for part in qualname.split(".") if qualname else ():
         found = getattr(found, part, None)
     return found
@@ -207,7 +242,10 @@ def apply(patches: list[bytes], _replica: Any = None) -> None:
     """Set each ``owner.name = value`` of :func:`pickle_patch` in this (worker) process."""
     for data in patches:
         owner, name, value = pickle.loads(data)
-        setattr(owner, name, value)
+        if isinstance(owner, Registry):
+            owner.mapping[name] = value
+        else:
+            setattr(owner, name, value)
 
 
 class _Missing:

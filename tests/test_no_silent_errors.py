@@ -665,6 +665,28 @@ def test_run_time_patches_of_the_models_code_reach_the_workers(wrap, monkeypatch
         torch.testing.assert_close(p, rp, msg=n)
 
 
+def test_attention_functions_registered_with_huggingface_reach_the_workers(wrap, monkeypatch):
+    """`AttentionInterface.register("mine", fn)` is HF's way to plug in an attention function, which the
+    config then names: the workers, which import transformers afresh, lacked it (a KeyError there), and
+    one registered over a built-in name ("sdpa") silently ran the built-in in them."""
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def halved(module, query, key, value, attention_mask, **kw):
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+        return out * 0.5, weights
+
+    ids = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(0))
+    for name in ("dpool_test_halved", "sdpa"):
+        monkeypatch.setitem(AttentionInterface._global_mapping, name, halved)
+        torch.manual_seed(0)
+        net = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                           intermediate_size=64, vocab_size=100, attn_implementation=name))
+        with torch.no_grad():
+            ref = net(input_ids=ids).logits
+            torch.testing.assert_close(wrap(net)(input_ids=ids).logits, ref, msg=name)
+
+
 def test_the_gpu_settings_are_read_after_torchs_newer_precision_api_was_used():
     """A GPU pool reads the coordinator's TF32 settings before each forward. It read them through
     torch.get_float32_matmul_precision(), which raises once torch.backends.cuda.matmul.fp32_precision (the
