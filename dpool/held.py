@@ -19,13 +19,15 @@ beyond :data:`LIMIT` entries or :data:`DEPTH` levels, which :attr:`Held.skipped`
 """
 from __future__ import annotations
 
+import random
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Held", "walk", "get", "LIMIT", "DEPTH"]
+__all__ = ["Held", "walk", "get", "seed", "LIMIT", "DEPTH"]
 
 LIMIT = 50_000  # entries of containers followed in all (compared before each forward: ~9 ns each)
 DEPTH = 6  # levels below a module's attribute
@@ -49,9 +51,10 @@ class Held:
         tensors: ``(name, holder, key, tensor)`` for every tensor met, with ``holder[key] is tensor``; a
             module's own tensor attributes included (``holder`` is its ``__dict__``).
         skipped: where the walk stopped at :data:`LIMIT` or :data:`DEPTH`.
-        generators: ``(name, generator)`` for every ``torch.Generator`` held (``self.gen =
-            torch.Generator().manual_seed(0)``, for ``torch.randn(..., generator=self.gen)``): each worker
-            holds a copy in the same state, which it seeds per shard at each forward.
+        generators: ``(name, generator)`` for every random number generator held: a ``torch.Generator``
+            (``self.gen = torch.Generator().manual_seed(0)``, for ``torch.randn(..., generator=self.gen)``),
+            a ``random.Random``, NumPy's ``Generator`` and ``RandomState``. Each worker holds a copy in
+            the same state, which it seeds per shard at each forward (:func:`seed`).
     """
 
     containers: list[Any] = field(default_factory=list)
@@ -59,7 +62,7 @@ class Held:
     names: list[str] = field(default_factory=list)
     tensors: list[tuple[str, Any, Any, torch.Tensor]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    generators: list[tuple[str, torch.Generator]] = field(default_factory=list)
+    generators: list[tuple[str, Any]] = field(default_factory=list)
 
     def changed(self) -> list[str]:
         """The containers that differ from their copies (an entry added, removed or replaced by another object)."""
@@ -115,7 +118,7 @@ def walk(modules: Sequence[torch.nn.Module], where: Sequence[str]) -> Held:
         if isinstance(obj, torch.Tensor):
             held.tensors.append((name, holder, key, obj))
             continue
-        if isinstance(obj, torch.Generator):
+        if _is_generator(obj):
             if id(obj) not in seen:
                 seen.add(id(obj))
                 held.generators.append((name, obj))
@@ -170,6 +173,25 @@ def _module(held: Held, module: torch.nn.Module, name: str, depth: int, seen: se
         stack.extend((f"{at}.{k}", sub.__dict__, k, v, depth + 1) for k, v in sub.__dict__.items()
                      if k not in _MODULE_KEYS)
     return entries
+
+
+def _is_generator(obj: Any) -> bool:
+    if isinstance(obj, (torch.Generator, random.Random)):
+        return True
+    numpy_random = sys.modules.get("numpy.random")  # (not imported here: a model that holds one imported it)
+    return numpy_random is not None and isinstance(obj, (numpy_random.Generator, numpy_random.RandomState))
+
+
+def seed(generator: Any, value: int) -> None:
+    """Seed one of :attr:`Held.generators` with ``value`` (< 2**63), in place."""
+    if isinstance(generator, torch.Generator):
+        generator.manual_seed(value)
+    elif isinstance(generator, random.Random):
+        generator.seed(value)
+    elif hasattr(generator, "bit_generator"):  # NumPy's Generator: a new state of its kind of bit generator
+        generator.bit_generator.state = type(generator.bit_generator)(value).state
+    else:  # NumPy's RandomState
+        generator.seed(value % (1 << 32))
 
 
 def get(holder: Any, key: Any) -> Any:

@@ -5,11 +5,13 @@ import contextlib
 import copy
 import functools
 import os
+import random
 import signal
 import threading
 import types
 import time
 
+import numpy
 import psutil
 import pytest
 import torch
@@ -766,33 +768,38 @@ def test_the_same_seed_gives_the_same_run(wrap):
 
 
 class _Noise(nn.Module):
-    """Noise from a generator the model holds (``torch.randn(..., generator=self.gen)``)."""
+    """Noise from generators the model holds: torch's, Python's and NumPy's."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(16, 16)
         self.gen = torch.Generator().manual_seed(0)
+        self.rng = random.Random(0)
+        self.np_rng = numpy.random.default_rng(0)
 
     def forward(self, x):
-        return self.lin(x) + torch.randn(x.shape, generator=self.gen)
+        rows = [[self.rng.random(), self.np_rng.random()] for _ in range(len(x))]
+        return self.lin(x) + torch.randn(x.shape, generator=self.gen), torch.tensor(rows)
 
 
-def test_a_generator_the_model_holds_gives_each_shard_its_own_numbers(wrap):
-    """Every worker holds a copy of the generator in the same state, so each shard drew the same noise as
+def test_generators_the_model_holds_give_each_shard_its_own_numbers(wrap):
+    """Every worker holds a copy of each generator in the same state, so each shard drew the same numbers as
     the others: the batch's rows came in identical groups, which one process never gives. Each shard
-    now seeds its copy from the forward's draw, as its default generator."""
+    now seeds its copies from the forward's draw, as its default generator."""
     runs = []
     for _ in range(2):
         torch.manual_seed(0)
         model = wrap(_Noise())
         x = torch.zeros(8, 16)
-        runs.append([model(x).detach() - model.module.lin(x).detach() for _ in range(2)])
+        runs.append([torch.cat([out - model.module.lin(x), other], 1).detach()
+                     for out, other in (model(x) for _ in range(2))])
         model.close()
     (a, b), (a2, b2) = runs
-    assert not torch.allclose(a[:4], a[4:]), "the two shards drew the same numbers"
-    assert not torch.allclose(a, b)  # each forward draws new numbers
+    for cols, what in ((slice(0, 16), "torch.Generator"), (16, "random.Random"), (17, "numpy's Generator")):
+        assert not torch.allclose(a[:4, cols], a[4:, cols]), f"the two shards drew the same numbers from {what}"
+        assert not torch.allclose(a[:, cols], b[:, cols]), what  # each forward draws new numbers
     assert torch.equal(a, a2) and torch.equal(b, b2)  # and the same seed repeats them
-    assert abs(float(a.std()) - 1) < 0.3
+    assert abs(float(a[:, :16].std()) - 1) < 0.3
 
 
 def test_isinstance_dataparallel_unwraps_like_torch(wrap):

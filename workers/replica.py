@@ -40,7 +40,7 @@ import cloudpickle
 import torch
 
 from dpool import tree as _tree
-from dpool.held import walk
+from dpool.held import seed as seed_generator, walk
 from dpool.loss import split_loss
 from dpool import protocol as P
 from dpool.tensors import DTYPES, Placer, check_tensor, from_bytes, meta_nbytes, read
@@ -113,7 +113,7 @@ class Replica:
         self.shm_dir = shm_dir
         self.stage = "starting"
         self.model: torch.nn.Module | None = None
-        self.generators: list[torch.Generator] = []
+        self.generators: list[Any] = []
         self.known: set[str] = set()
         self.segs: dict[str, Mapped] = {}
         self.calls: dict[int, _Call] = {}
@@ -370,7 +370,7 @@ class Replica:
         if self.on_gpu:
             torch.cuda.manual_seed(seed % (1 << 63))
         for k, g in enumerate(self.generators, 1):
-            g.manual_seed((seed + 0xBF58476D1CE4E5B9 * k) % (1 << 63))
+            seed_generator(g, (seed + 0xBF58476D1CE4E5B9 * k) % (1 << 63))
         self._enter_collective(msg.world)
         try:
             with torch.set_grad_enabled(msg.grad):
