@@ -33,8 +33,8 @@ from typing import Any, Iterable
 import cloudpickle
 import torch
 
-__all__ = ["Registry", "code_refs", "fingerprints", "addresses", "fingerprints_at", "value_of", "name_of", "pickle_patch", "apply",
-           "instrumentation", "MISSING"]
+__all__ = ["Registry", "code_refs", "fingerprints", "addresses", "fingerprints_at", "value_of", "name_of",
+           "pickle_patch", "apply", "instrumentation", "MISSING"]
 
 _CONSTANTS = (bool, int, float, str, bytes, type(None))
 _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
@@ -55,8 +55,6 @@ class Registry:
 
     def __reduce__(self) -> tuple:
         return Registry, (self.module, self.name)
-
-
 
 
 def _functions_of(value: Any) -> list[types.FunctionType]:

@@ -98,8 +98,11 @@ def _library_closure(func: types.FunctionType) -> bool:
     if (module is None or module.__name__ == "__main__" or getattr(module, "__spec__", None) is None
             or func.__globals__ is not getattr(module, "__dict__", None)):  # (a module made at run time: by value)
         return False
-    return (not _cloudpickle_internals._should_pickle_by_reference(func)
-            and not _cloudpickle_internals._is_registered_pickle_by_value(module))
+    by_reference = getattr(_cloudpickle_internals, "_should_pickle_by_reference", None)
+    by_value = getattr(_cloudpickle_internals, "_is_registered_pickle_by_value", None)
+    if by_reference is None or by_value is None:  # (another cloudpickle: its own way)
+        return False
+    return not by_reference(func) and not by_value(module)
 
 
 def _reduce_library_closure(func: types.FunctionType) -> tuple:

@@ -317,7 +317,9 @@ def test_objects_the_model_holds_changed_in_place_after_wrap_are_followed(wrap):
     for m in (net, ref):  # (.double() and deepcopy make new tensors)
         m.views = [m.lin.weight.detach()]
         m.frozen[0].double()
-    model = wrap(net)
+    net.history = list(range(60_000))  # more than dpool compares before each forward: said once
+    with pytest.warns(RuntimeWarning, match=r"model\.history holds more than dpool follows"):
+        model = wrap(net)
     changes = [
         lambda m: setattr(m.config, "scale", 0.5),
         lambda m: setattr(m.config, "act", "sigmoid"),
@@ -375,7 +377,8 @@ def test_a_trainable_tensor_that_is_not_a_parameter_is_refused(wrap):
     """`self.alpha = torch.tensor(2.0, requires_grad=True)`, handed to the optimizer by hand, trains in one
     process and in DataParallel (its replicas share it). dpool's workers computed its gradient on their
     copies and never returned it, so it silently stayed 2.0. Now: an error at wrap(), or at each forward
-    once one is set after it, with the pool and the master untouched."""
+    once one is set after it, with the pool and the master untouched (set together with a new submodule,
+    it broke the pool: PoolBrokenError)."""
     net = _Knobs()
     net.alpha = torch.tensor(2.0, requires_grad=True)
     with pytest.raises(dpool.UnsupportedError, match=r"model\.alpha is a tensor that requires grad but is not an "
@@ -387,35 +390,34 @@ def test_a_trainable_tensor_that_is_not_a_parameter_is_refused(wrap):
     before = model(x).detach()
     replicas = model.worker_states(id)
     net.act.alpha = torch.ones(1, requires_grad=True)
-    for _ in range(2):
-        with pytest.raises(dpool.UnsupportedError, match=r"model\.act\.alpha is a tensor that requires grad"):
-            model(x)
-    del net.act.alpha
-    torch.testing.assert_close(model(x), before)
+    _refused_until_undone(model, x, before, r"model\.act\.alpha is a tensor that requires grad",
+                          lambda: delattr(net.act, "alpha"))
     assert model.worker_states(id) == replicas
+    # with a new submodule too, the check ran only after the old shared memory was given up: the pool broke
+    net.tail = nn.Identity()
+    net.act.alpha = torch.ones(1, requires_grad=True)
+    _refused_until_undone(model, x, before, r"model\.act\.alpha is a tensor that requires grad",
+                          lambda: delattr(net.act, "alpha"))
 
 
-def test_a_refused_change_after_wrap_leaves_the_pool_as_it_was(wrap):
-    """What wrap() refuses, done afterwards: a buffer registered as a view of a weight was silently parted
-    from it at the re-sync (no error), and a trainable plain tensor set together with a new submodule broke
-    the pool for good (PoolBrokenError) rather than raising at each forward until it was undone."""
+def _refused_until_undone(model, x, before, match, undo):
+    """Each forward raises ``match`` with the pool and the master untouched, until ``undo()``."""
+    for _ in range(2):
+        with pytest.raises(dpool.UnsupportedError, match=match):
+            model(x)
+    undo()
+    torch.testing.assert_close(model(x), before)
+
+
+def test_a_buffer_viewing_a_parameter_registered_after_wrap_is_refused(wrap):
+    """It was silently parted from the weight at the re-sync, as wrap() refuses it for."""
     net = _Knobs()
     model = wrap(net)
     x = torch.randn(4, 6)
     before = model(x).detach()
     net.lin.register_buffer("w_view", net.lin.weight.detach()[:2])
-    for _ in range(2):
-        with pytest.raises(dpool.UnsupportedError, match=r"lin\.weight and lin\.w_view share memory"):
-            model(x)
-    del net.lin.w_view
-    torch.testing.assert_close(model(x), before)
-    net.tail = nn.Identity()
-    net.act.alpha = torch.ones(1, requires_grad=True)
-    for _ in range(2):
-        with pytest.raises(dpool.UnsupportedError, match=r"model\.act\.alpha is a tensor that requires grad"):
-            model(x)
-    del net.act.alpha
-    torch.testing.assert_close(model(x), before)
+    _refused_until_undone(model, x, before, r"lin\.weight and lin\.w_view share memory",
+                          lambda: delattr(net.lin, "w_view"))
 
 
 def test_an_unpicklable_attribute_set_after_wrap_is_named_and_breaks_nothing(wrap):
