@@ -12,6 +12,7 @@ import operator
 from typing import Any, Callable
 
 import torch
+import torch.backends.mha as _mha
 
 __all__ = ["numerics", "apply_numerics", "fp32_precision", "set_fp32_precision", "sdp_settings", "CPU_PRECISION_OPS"]
 
@@ -78,12 +79,16 @@ def numerics() -> tuple:
     dtype (what ``torch.tensor(0.1)`` or ``torch.arange(n) * 0.5`` inside a forward make), deterministic
     algorithms, autograd's anomaly detection, and the float32 precision of the CPU's matmuls, convolutions
     and RNNs (``torch.set_float32_matmul_precision``, ``torch.backends.mkldnn.matmul.fp32_precision``), and
-    the backends ``scaled_dot_product_attention`` may use (``torch.nn.attention.sdpa_kernel``). Workers
+    the backends ``scaled_dot_product_attention`` may use (``torch.nn.attention.sdpa_kernel``), and
+    whether ``nn.MultiheadAttention`` and ``nn.TransformerEncoder`` may take their fast path in inference
+    (``torch.backends.mha.set_fastpath_enabled``: it returns zeros at padded positions, the other path
+    values). Workers
     follow the coordinator's, as nn.DataParallel's replicas in its one process do (the CUDA ones:
     :func:`dpool.gpu.backend_flags`)."""
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(), torch.is_anomaly_enabled(),
-            torch.is_anomaly_check_nan_enabled(), fp32_precision(CPU_PRECISION_OPS), sdp_settings())
+            torch.is_anomaly_check_nan_enabled(), fp32_precision(CPU_PRECISION_OPS), sdp_settings(),
+            _mha._is_fastpath_enabled)
 
 
 def apply_numerics(values: tuple, _model: Any = None) -> None:
@@ -100,3 +105,5 @@ def apply_numerics(values: tuple, _model: Any = None) -> None:
         set_fp32_precision(CPU_PRECISION_OPS, values[5])
     if values[6] != now[6]:
         _set_sdp_settings(values[6])
+    if values[7] != now[7]:
+        _mha.set_fastpath_enabled(values[7])

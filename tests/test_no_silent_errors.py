@@ -606,6 +606,25 @@ def test_the_attention_backend_choice_reaches_the_workers(wrap):
                     torch.testing.assert_close(p.grad, rp.grad, msg=n)
 
 
+def test_the_transformer_fast_path_setting_reaches_the_workers(wrap):
+    """`torch.backends.mha.set_fastpath_enabled(False)` keeps nn.TransformerEncoder off its inference fast
+    path, which returns zeros at padded positions where the other path returns values. The workers kept
+    the fast path: outputs apart by 2.5 there."""
+    torch.manual_seed(0)
+    net = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1).eval()
+    model = wrap(net)
+    x, mask = torch.randn(4, 6, 16), torch.zeros(4, 6, dtype=torch.bool)
+    mask[:, 4:] = True
+    try:
+        for fast in (False, True):
+            torch.backends.mha.set_fastpath_enabled(fast)
+            with torch.no_grad():
+                out, ref = model(x, src_key_padding_mask=mask), net(x, src_key_padding_mask=mask)
+            torch.testing.assert_close(out, ref, msg=lambda m: f"fast path {fast}: {m}")
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+
+
 class _Patchable(nn.Module):
     def __init__(self):
         super().__init__()
