@@ -74,6 +74,13 @@ def _set_sdp_settings(values: tuple) -> None:
         _SDP_ORDER[1](list(values[-1]))
 
 
+# the CPU's convolution backends (torch.backends.mkldnn.enabled = False falls back to torch's own kernels:
+# values differ in the last bits) and oneDNN's deterministic mode
+_CPU_BACKENDS = tuple(pair for pair in (_sdp_pair(f"_get_{n}", f"_set_{n}") for n in (
+    "mkldnn_enabled", "mkldnn_deterministic", "nnpack_enabled")) if pair is not None)
+_CPU_BACKEND_GETTERS = tuple(get for get, _ in _CPU_BACKENDS)
+
+
 def numerics() -> tuple:
     """This process's settings that change what a forward or backward computes on any device: the default
     dtype (what ``torch.tensor(0.1)`` or ``torch.arange(n) * 0.5`` inside a forward make), deterministic
@@ -82,13 +89,14 @@ def numerics() -> tuple:
     the backends ``scaled_dot_product_attention`` may use (``torch.nn.attention.sdpa_kernel``), and
     whether ``nn.MultiheadAttention`` and ``nn.TransformerEncoder`` may take their fast path in inference
     (``torch.backends.mha.set_fastpath_enabled``: it returns zeros at padded positions, the other path
-    values). Workers
+    values), and the CPU's convolution backends (``torch.backends.mkldnn.enabled``, its ``deterministic``,
+    ``torch.backends.nnpack.enabled``). Workers
     follow the coordinator's, as nn.DataParallel's replicas in its one process do (the CUDA ones:
     :func:`dpool.gpu.backend_flags`)."""
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(), torch.is_anomaly_enabled(),
             torch.is_anomaly_check_nan_enabled(), fp32_precision(CPU_PRECISION_OPS), sdp_settings(),
-            _mha._is_fastpath_enabled)
+            _mha._is_fastpath_enabled, tuple(map(_CALL, _CPU_BACKEND_GETTERS)))
 
 
 def apply_numerics(values: tuple, _model: Any = None) -> None:
@@ -107,3 +115,6 @@ def apply_numerics(values: tuple, _model: Any = None) -> None:
         _set_sdp_settings(values[6])
     if values[7] != now[7]:
         _mha.set_fastpath_enabled(values[7])
+    if values[8] != now[8]:
+        for (_, set_), value in zip(_CPU_BACKENDS, values[8]):
+            set_(value)

@@ -625,6 +625,25 @@ def test_the_transformer_fast_path_setting_reaches_the_workers(wrap):
         torch.backends.mha.set_fastpath_enabled(True)
 
 
+
+def test_the_cpu_convolution_backend_setting_reaches_the_workers(wrap):
+    """`torch.backends.mkldnn.enabled = False` (a common work-around for a oneDNN bug) moves convolutions to
+    torch's own kernels, whose values differ in the last bits (7e-7): the workers kept oneDNN. Now the
+    outputs equal the reference's on the same shards bitwise."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(8, 8, 3), nn.Tanh(), nn.Conv2d(8, 4, 3))
+    model = wrap(net)
+    x = torch.randn(4, 8, 16, 16)
+    try:
+        for enabled in (False, True):
+            torch.backends.mkldnn.enabled = enabled
+            with torch.no_grad():
+                torch.testing.assert_close(model(x), torch.cat([net(x[:2]), net(x[2:])]), rtol=0, atol=0,
+                                           msg=lambda m: f"mkldnn {enabled}: {m}")
+    finally:
+        torch.backends.mkldnn.enabled = True
+
+
 class _Patchable(nn.Module):
     def __init__(self):
         super().__init__()
