@@ -75,9 +75,11 @@ def _set_sdp_settings(values: tuple) -> None:
 
 
 # the CPU's convolution backends (torch.backends.mkldnn.enabled = False falls back to torch's own kernels:
-# values differ in the last bits) and oneDNN's deterministic mode
+# values differ in the last bits), oneDNN's deterministic mode, fp16 matmuls reducing in fp16 on a CPU, and
+# whether deterministic mode fills torch.empty's memory
 _CPU_BACKENDS = tuple(pair for pair in (_sdp_pair(f"_get_{n}", f"_set_{n}") for n in (
-    "mkldnn_enabled", "mkldnn_deterministic", "nnpack_enabled")) if pair is not None)
+    "mkldnn_enabled", "mkldnn_deterministic", "nnpack_enabled", "cpu_allow_fp16_reduced_precision_reduction",
+    "deterministic_fill_uninitialized_memory")) if pair is not None)
 _CPU_BACKEND_GETTERS = tuple(get for get, _ in _CPU_BACKENDS)
 
 
@@ -89,8 +91,9 @@ def numerics() -> tuple:
     the backends ``scaled_dot_product_attention`` may use (``torch.nn.attention.sdpa_kernel``), and
     whether ``nn.MultiheadAttention`` and ``nn.TransformerEncoder`` may take their fast path in inference
     (``torch.backends.mha.set_fastpath_enabled``: it returns zeros at padded positions, the other path
-    values), and the CPU's convolution backends (``torch.backends.mkldnn.enabled``, its ``deterministic``,
-    ``torch.backends.nnpack.enabled``). Workers
+    values), the CPU's convolution backends (``torch.backends.mkldnn.enabled``, its ``deterministic``,
+    ``torch.backends.nnpack.enabled``), fp16 reductions in CPU matmuls, and
+    ``torch.utils.deterministic.fill_uninitialized_memory``. Workers
     follow the coordinator's, as nn.DataParallel's replicas in its one process do (the CUDA ones:
     :func:`dpool.gpu.backend_flags`)."""
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),

@@ -634,14 +634,19 @@ def test_the_cpu_convolution_backend_setting_reaches_the_workers(wrap):
     net = nn.Sequential(nn.Conv2d(8, 8, 3), nn.Tanh(), nn.Conv2d(8, 4, 3))
     model = wrap(net)
     x = torch.randn(4, 8, 16, 16)
+    from dpool.numerics import numerics
+
     try:
         for enabled in (False, True):
             torch.backends.mkldnn.enabled = enabled
+            torch.utils.deterministic.fill_uninitialized_memory = enabled
             with torch.no_grad():
                 torch.testing.assert_close(model(x), torch.cat([net(x[:2]), net(x[2:])]), rtol=0, atol=0,
                                            msg=lambda m: f"mkldnn {enabled}: {m}")
+            assert model.worker_states(lambda r: numerics()) == [numerics()] * 2
     finally:
         torch.backends.mkldnn.enabled = True
+        torch.utils.deterministic.fill_uninitialized_memory = True
 
 
 class _Patchable(nn.Module):
