@@ -812,6 +812,36 @@ def test_the_same_seed_gives_the_same_run(wrap):
     assert not torch.equal(a[0][:4], a[0][4:])  # and the two shards draw different ones
 
 
+class _LayerDrop(nn.Module):
+    """LayerDrop drawn from Python's and NumPy's global generators, as HF's data2vec-audio and MusicGen do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if not (self.training and (random.random() < 0.3 or numpy.random.uniform(0, 1) < 0.3)):
+                x = layer(x)
+        return x
+
+
+def test_python_and_numpy_randomness_in_the_models_code_repeats_under_the_same_seeds(wrap):
+    """Each worker's Python and NumPy generators were seeded by the OS at its start, so a run whose forward
+    draws from them (LayerDrop) did not repeat under `random.seed`, `numpy.random.seed` and
+    `torch.manual_seed` (as `transformers.set_seed` does). They are now seeded per shard at each forward."""
+    runs = []
+    for _ in range(2):
+        random.seed(0)
+        numpy.random.seed(0)
+        torch.manual_seed(0)
+        model = wrap(_LayerDrop())
+        runs.append(torch.stack([model(torch.ones(4, 4)).detach() for _ in range(4)]))
+        model.close()
+    assert torch.equal(*runs)
+    assert len({tuple(out.flatten().tolist()) for out in runs[0]}) > 1  # (layers were dropped differently)
+
+
 class _Noise(nn.Module):
     """Noise from generators the model holds: torch's, Python's and NumPy's."""
 

@@ -40,7 +40,6 @@ import cloudpickle
 import torch
 
 from dpool import tree as _tree
-from dpool.held import seed as seed_generator, walk
 from dpool.loss import split_loss
 from dpool import protocol as P
 from dpool.tensors import DTYPES, Placer, check_tensor, from_bytes, meta_nbytes, read
@@ -49,6 +48,7 @@ from dpool.transport.base import standalone
 from dpool.transport.shm import Mapped
 from dpool.sync_batchnorm import _set_collective
 from .libraries import prepare
+from .randomness import Streams
 
 # Largest model (bytes of parameters) whose gradients a CPU worker copies to its slot in one pass after the
 # backward instead of one hook call per parameter as each is accumulated (see the module's docstring).
@@ -113,7 +113,7 @@ class Replica:
         self.shm_dir = shm_dir
         self.stage = "starting"
         self.model: torch.nn.Module | None = None
-        self.generators: list[Any] = []
+        self.streams: Streams | None = None
         self.known: set[str] = set()
         self.segs: dict[str, Mapped] = {}
         self.calls: dict[int, _Call] = {}
@@ -222,8 +222,7 @@ class Replica:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
         prepare(model)  # (what the model's classes' __init__ set up in the coordinator's process)
-        named = list(model.named_modules())
-        self.generators = [g for _, g in walk([m for _, m in named], [n for n, _ in named]).generators]
+        self.streams = Streams(model, self.on_gpu)
         missing = [i for i in range(len(self.param_views)) if i not in params]
         if missing:
             raise RuntimeError(f"parameters {missing} of the layout did not appear in the pickled model")
@@ -362,15 +361,8 @@ class Replica:
             tensors.append(t)
         args, kwargs = _tree.unflatten(msg.tree, tensors.__getitem__)
         assert self.model is not None
-        # this shard's own streams, derived from the coordinator's draw (dropout, random augmentation): the
-        # CPU's, the GPU's (which starts from the same constant in every process), and those of the
-        # generators the model holds (every worker's copy is in the same state)
-        seed = msg.seed + 0x9E3779B97F4A7C15 * (msg.shard + 1)
-        torch.default_generator.manual_seed(seed % (1 << 63))
-        if self.on_gpu:
-            torch.cuda.manual_seed(seed % (1 << 63))
-        for k, g in enumerate(self.generators, 1):
-            seed_generator(g, (seed + 0xBF58476D1CE4E5B9 * k) % (1 << 63))
+        # this shard's own streams, derived from the coordinator's draw (dropout, random augmentation)
+        self.streams.seed(msg.seed + 0x9E3779B97F4A7C15 * (msg.shard + 1))
         self._enter_collective(msg.world)
         try:
             with torch.set_grad_enabled(msg.grad):
