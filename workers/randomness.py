@@ -52,7 +52,7 @@ class Streams:
         python, numpy = global_streams_used(model)
         if python:
             others.append(random.seed)
-        if numpy:
+        if numpy:  # (the attribute, not sys.modules: NumPy 2 imports numpy.random on first use)
             others.append(functools.partial(_seed_numpy, sys.modules["numpy"].random))
         self._first = seeders
         self._others = others
@@ -104,11 +104,14 @@ def global_streams_used(model: torch.nn.Module) -> tuple[bool, bool]:
         names = _names(fn.__code__)
         for name in names:
             value = fn.__globals__.get(name)
+            if value is None:  # (a builtin, an attribute's name: and numpy's names are None without numpy)
+                continue
             owner = getattr(value, "__self__", None)
             if value is random or owner is random._inst:  # type: ignore[attr-defined]
                 python = True
-            elif value is numpy_random or (value is numpy and numpy is not None and "random" in names) or (
-                    numpy_state is not None and owner is numpy_state):
+            elif ((numpy is not None and value is numpy and "random" in names)  # (numpy.random loads lazily)
+                  or (numpy_random is not None and (value is numpy_random
+                                                    or (numpy_state is not None and owner is numpy_state)))):
                 uses_numpy = True
             elif isinstance(value, types.FunctionType) and depth < 2:
                 todo.append((value, depth + 1))
