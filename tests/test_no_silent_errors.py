@@ -11,6 +11,8 @@ import threading
 import types
 import time
 
+from random import uniform as _py_uniform
+
 import numpy
 import psutil
 import pytest
@@ -840,6 +842,27 @@ def test_python_and_numpy_randomness_in_the_models_code_repeats_under_the_same_s
         model.close()
     assert torch.equal(*runs)
     assert len({tuple(out.flatten().tolist()) for out in runs[0]}) > 1  # (layers were dropped differently)
+
+
+def _drop_half(x):
+    return x if _py_uniform(0, 1) < 0.5 else x * 0
+
+
+class _DropsThroughAHelper(nn.Linear):
+    def forward(self, x):
+        return _drop_half(super().forward(x))
+
+
+def test_the_global_generators_a_models_code_draws_from_are_found():
+    """Only models whose code names Python's or NumPy's global generator pay for seeding them per forward:
+    found through `random.x()`, `numpy.random.x()`, a function imported from `random`, and the functions
+    the methods call."""
+    from dpool_workers.randomness import global_streams_used
+
+    assert global_streams_used(_LayerDrop()) == (True, True)
+    assert global_streams_used(nn.Sequential(_DropsThroughAHelper(4, 4))) == (True, False)
+    assert global_streams_used(nn.Sequential(nn.Linear(4, 4), nn.Dropout(), nn.TransformerEncoderLayer(8, 2))) == (
+        False, False)
 
 
 class _Noise(nn.Module):
