@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -490,6 +491,19 @@ class Runtime:
             message += (f"\n(dpool: the batch was split into shards of {self._last_rows} rows, and BatchNorm cannot "
                         "train on a one-row shard. Use DataLoader(..., drop_last=True), a batch of at least 2 rows "
                         "per worker, or fewer workers.)")
+        resized = re.match(r"the forward resized buffer (\d+) ", message)
+        if resized or "resize storage that is not resizable" in message:
+            names = self.master.buffer_names
+            empty = ([names[int(resized.group(1))]] if resized and int(resized.group(1)) < len(names) else
+                     [n for n, b in zip(names, self.master.buffers) if not b.numel()])
+            message += ("\n(dpool: the forward resized a parameter or buffer in place, which dpool keeps at a fixed "
+                        "size in shared memory" + ((f"; {empty[0]}" if resized else
+                                                    f"; empty buffers, the likely ones: {', '.join(empty[:5])}"
+                                                    + (f" and {len(empty) - 5} more" if len(empty) > 5 else ""))
+                                                   if empty else "")
+                        + ". Run one forward on the plain module before dpool.wrap(), so that every buffer has its "
+                        "final shape (quantization-aware training's per-channel observers start empty), or keep "
+                        "such state as a plain attribute.)")
         if r.qualname == "OutOfMemoryError" and self.cuda:
             message += (f"\n(dpool: {memory_report(self.devices)}. Each worker holds its shard's activations: use a "
                         "smaller batch, fewer workers per GPU, or free memory first: torch.cuda.empty_cache() here, "

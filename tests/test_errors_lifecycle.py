@@ -270,6 +270,51 @@ def test_batchnorm_on_a_one_row_shard_names_the_shards_and_the_fix(wrap):
         model(torch.randn(4, 3))
 
 
+class _GrowsABuffer(nn.Module):
+    """A buffer that starts empty and takes its shape in the first forward, as QAT's per-channel observers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("seen_max", torch.tensor([]))
+
+    def forward(self, x):
+        if not self.seen_max.numel():
+            self.seen_max.resize_(x.shape[1])
+        self.seen_max.copy_(x.amax(0))
+        return self.lin(x)
+
+
+class _ShrinksABuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("window", torch.zeros(4))
+
+    def forward(self, x):
+        self.window.resize_(2)
+        return self.lin(x)
+
+
+def test_a_buffer_resized_by_the_forward_names_the_buffer_and_the_fix(wrap):
+    """An empty buffer that takes its shape in the first forward (QAT's per-channel observers) grew a private
+    copy in the workers, whose values never reached the master; one shrunk in place parted silently from the
+    master's. Both are errors now, naming the buffer and the fix (torch's "Trying to resize storage that is
+    not resizable" alone had left QAT users guessing)."""
+    for net, match in ((_GrowsABuffer(), r"likely ones: seen_max\."), (_ShrinksABuffer(), r"; window\.")):
+        model = wrap(net)
+        with pytest.raises(RuntimeError, match=r"resized a parameter or buffer in place.*" + match
+                                               + r".*one forward on the plain module before dpool\.wrap\(\)"):
+            model(torch.randn(4, 3))
+        model.close()
+    net = _GrowsABuffer()
+    net(torch.randn(2, 3))  # what the message advises: then the buffer has its shape
+    model = wrap(net)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(model(x), net.lin(x))
+    torch.testing.assert_close(net.seen_max, x[:2].amax(0))  # (the first shard's, as DataParallel keeps)
+
+
 def test_meta_parameters_get_advice_without_cuda():
     net = nn.Linear(2, 2, device="meta")
     with pytest.raises(dpool.DpoolValueError, match="meta tensor.*to_empty") as info:

@@ -64,6 +64,9 @@ def cuda_stream() -> torch.cuda.Stream:
     return torch.cuda.current_stream(0)
 
 
+_size = torch.Tensor.size
+
+
 def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """``torch.autograd.backward(roots, grads, retain_graph=True)`` without its argument checks.
 
@@ -113,6 +116,7 @@ class Replica:
         self.shm_dir = shm_dir
         self.stage = "starting"
         self.model: torch.nn.Module | None = None
+        self._buffer_shapes: list[torch.Size] = []
         self.streams: Streams | None = None
         self.known: set[str] = set()
         self.segs: dict[str, Mapped] = {}
@@ -193,6 +197,7 @@ class Replica:
         self.param_views = [master.standalone(off, DTYPES[dt], shape, st) for dt, shape, off, _, st in msg.param_layout]
         self.grad_views = [state.standalone(off, DTYPES[dt], shape, st) for dt, shape, off, _, st in msg.param_layout]
         self.buffer_views = [state.standalone(off, DTYPES[dt], shape) for dt, shape, off in msg.buffer_layout]
+        self._buffer_shapes = list(map(_size, self.buffer_views))
         if msg.buffer_layout:
             start = min(off for _, _, off in msg.buffer_layout)
             end = max(off + meta_nbytes([dt, shape, off, False]) for dt, shape, off in msg.buffer_layout)
@@ -339,6 +344,15 @@ class Replica:
                 self.unfetched.pop(c, None)
             self._to_release = []
 
+    def _refuse_resized_buffer(self) -> None:
+        """A forward resized a buffer in place (``resize_``, as QAT's per-channel observers do on their first
+        forward). Growing one over shared memory fails in torch on a CPU; shrinking one, or growing one inside
+        a GPU arena, would silently part it from the master's copy or overlap its neighbours: an error, which
+        the coordinator completes with the buffer's name and the fix."""
+        i = next(i for i, (b, shape) in enumerate(zip(self.buffer_views, self._buffer_shapes)) if b.shape != shape)
+        raise RuntimeError(f"the forward resized buffer {i} in place from {tuple(self._buffer_shapes[i])} to "
+                           f"{tuple(self.buffer_views[i].shape)}")
+
     def forward(self, msg: P.Forward) -> P.Message:
         if msg.release:
             self._to_release = msg.release  # freeing graphs can wait until the reply is out
@@ -374,6 +388,8 @@ class Replica:
                     out = self.model(*args, **kwargs)
         finally:
             _set_collective(None)
+        if self._buffer_shapes and list(map(_size, self.buffer_views)) != self._buffer_shapes:
+            self._refuse_resized_buffer()
         self.stage = f"returning outputs of shard {msg.shard}"
         outs: list[torch.Tensor] = []
         spec = _tree.flatten(out, outs, output=True)

@@ -68,8 +68,9 @@ def standalone_view(buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: list
     numel = 1
     for s in shape:
         numel *= s
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
+    if numel == 0:  # over the segment too, not private memory: a forward that resizes it must fail, as for any
+        # other buffer, rather than grow a private copy whose values never reach the master
+        return torch.frombuffer(buf, dtype=torch.uint8, count=1)[:0].view(dtype).view(shape)
     flat = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
     return flat.as_strided(shape, strides) if strides else flat.view(shape)
 
