@@ -33,7 +33,7 @@ from typing import Any, Iterable
 import cloudpickle
 import torch
 
-__all__ = ["Registry", "code_refs", "fingerprints", "addresses", "fingerprints_at", "value_of", "name_of",
+__all__ = ["Registry", "functions_of", "code_names", "code_refs", "fingerprints", "addresses", "fingerprints_at", "value_of", "name_of",
            "pickle_patch", "apply", "instrumentation", "MISSING"]
 
 _CONSTANTS = (bool, int, float, str, bytes, type(None))
@@ -57,7 +57,7 @@ class Registry:
         return Registry, (self.module, self.name)
 
 
-def _functions_of(value: Any) -> list[types.FunctionType]:
+def functions_of(value: Any) -> list[types.FunctionType]:
     """The Python functions behind a class attribute (a method, a static or class method, a property)."""
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
@@ -66,12 +66,12 @@ def _functions_of(value: Any) -> list[types.FunctionType]:
     return [value] if isinstance(value, types.FunctionType) else []
 
 
-def _names(code: types.CodeType) -> set[str]:
+def code_names(code: types.CodeType) -> set[str]:
     """The global and attribute names ``code`` and the functions nested in it use."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _names(const)
+            names |= code_names(const)
     return names
 
 
@@ -105,7 +105,7 @@ def code_refs(model: torch.nn.Module) -> list[tuple[Any, str]]:
         for name, value in list(vars(cls).items()):
             if name.startswith("__") and name not in ("__call__", "__getattr__", "__setstate__"):
                 continue
-            functions = _functions_of(value)
+            functions = functions_of(value)
             if (functions or isinstance(value, _CONSTANTS)) and _importable(cls):
                 refs[id(cls), name] = (cls, name)
             todo += functions
@@ -117,7 +117,7 @@ def code_refs(model: torch.nn.Module) -> list[tuple[Any, str]]:
             continue
         seen.add(id(fn))
         module = sys.modules.get(fn.__globals__.get("__name__", ""))
-        names = _names(fn.__code__)
+        names = code_names(fn.__code__)
         for name in names:
             value = fn.__globals__.get(name)
             if isinstance(value, types.ModuleType):  # `F.gelu`: the module's attributes this code names
@@ -228,7 +228,7 @@ def pickle_patch(owner: Any, name: str, value: Any) -> bytes:
     (``functools.wraps`` copied the original's module and qualified name) goes by value: by reference, a
     worker would find its own, unpatched, original there."""
     by_value = set()
-    for f in _functions_of(value):
+    for f in functions_of(value):
         if f"{f.__module__}.{f.__qualname__}" == name_of(owner, name):
             by_value.add(id(f))
     buf = io.BytesIO()

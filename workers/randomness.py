@@ -26,6 +26,7 @@ import torch
 
 from dpool.held import seed as seed_generator
 from dpool.held import walk
+from dpool.patches import code_names, functions_of
 
 __all__ = ["Streams", "global_streams_used"]
 
@@ -70,22 +71,6 @@ def _seed_numpy(numpy_random: Any, value: int) -> None:
     numpy_random.seed(value % (1 << 32))
 
 
-def _functions_of(value: Any) -> list[types.FunctionType]:
-    if isinstance(value, (staticmethod, classmethod)):
-        value = value.__func__
-    if isinstance(value, property):
-        return [f for f in (value.fget, value.fset) if isinstance(f, types.FunctionType)]
-    return [value] if isinstance(value, types.FunctionType) else []
-
-
-def _names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names
-
-
 def global_streams_used(model: torch.nn.Module) -> tuple[bool, bool]:
     """Whether the code of ``model``'s classes (their methods, and the functions those name, two calls
     deep) draws from Python's global ``random`` and from NumPy's global generator."""
@@ -93,7 +78,7 @@ def global_streams_used(model: torch.nn.Module) -> tuple[bool, bool]:
     numpy_random = sys.modules.get("numpy.random")
     numpy_state = getattr(getattr(numpy_random, "mtrand", None), "_rand", None)
     classes = {id(c): c for m in model.modules() for c in type(m).__mro__ if c not in (object, torch.nn.Module)}
-    todo = [(f, 0) for c in classes.values() for v in list(vars(c).values()) for f in _functions_of(v)]
+    todo = [(f, 0) for c in classes.values() for v in list(vars(c).values()) for f in functions_of(v)]
     seen: set[int] = set()
     python = uses_numpy = False
     while todo and len(seen) < _MAX_FUNCTIONS and not (python and uses_numpy):
@@ -101,7 +86,7 @@ def global_streams_used(model: torch.nn.Module) -> tuple[bool, bool]:
         if id(fn) in seen:
             continue
         seen.add(id(fn))
-        names = _names(fn.__code__)
+        names = code_names(fn.__code__)
         for name in names:
             value = fn.__globals__.get(name)
             if value is None:  # (a builtin, an attribute's name: and numpy's names are None without numpy)
