@@ -478,6 +478,21 @@ class Runtime:
         self._sent_numerics = None
         self._init_workers(indices)
 
+    def _resized_buffer_hint(self, index: int | None) -> str:
+        """What to do about a forward that resized buffer ``index`` in place (None: torch's own error, which
+        does not say which; the empty buffers are the likely ones)."""
+        names = self.master.buffer_names
+        if index is not None and index < len(names):
+            which = f"; {names[index]}"
+        else:
+            empty = [n for n, b in zip(names, self.master.buffers) if not b.numel()]
+            more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
+            which = f"; empty buffers, the likely ones: {', '.join(empty[:5])}{more}" if empty else ""
+        return ("the forward resized a parameter or buffer in place, which dpool keeps at a fixed size in shared "
+                f"memory{which}. Run one forward on the plain module before dpool.wrap(), so that every buffer has "
+                "its final shape (quantization-aware training's per-channel observers start empty), or keep such "
+                "state as a plain attribute.")
+
     def _raise_failures(self, replies: Mapping[int, Any], where: str) -> None:
         failed = sorted((i, r) for i, r in replies.items() if isinstance(r, P.Failed))
         if not failed:
@@ -493,17 +508,7 @@ class Runtime:
                         "per worker, or fewer workers.)")
         resized = re.match(r"the forward resized buffer (\d+) ", message)
         if resized or "resize storage that is not resizable" in message:
-            names = self.master.buffer_names
-            empty = ([names[int(resized.group(1))]] if resized and int(resized.group(1)) < len(names) else
-                     [n for n, b in zip(names, self.master.buffers) if not b.numel()])
-            message += ("\n(dpool: the forward resized a parameter or buffer in place, which dpool keeps at a fixed "
-                        "size in shared memory" + ((f"; {empty[0]}" if resized else
-                                                    f"; empty buffers, the likely ones: {', '.join(empty[:5])}"
-                                                    + (f" and {len(empty) - 5} more" if len(empty) > 5 else ""))
-                                                   if empty else "")
-                        + ". Run one forward on the plain module before dpool.wrap(), so that every buffer has its "
-                        "final shape (quantization-aware training's per-channel observers start empty), or keep "
-                        "such state as a plain attribute.)")
+            message += f"\n(dpool: {self._resized_buffer_hint(int(resized.group(1)) if resized else None)})"
         if r.qualname == "OutOfMemoryError" and self.cuda:
             message += (f"\n(dpool: {memory_report(self.devices)}. Each worker holds its shard's activations: use a "
                         "smaller batch, fewer workers per GPU, or free memory first: torch.cuda.empty_cache() here, "

@@ -205,7 +205,7 @@ class Master:
     def collect(self) -> None:
         """Read the module's parameters and buffers (names, tensors), refusing what dpool cannot run."""
         self._read()
-        self.snapshot()
+        self.snapshot(self._walked)  # (what _read just walked: the same modules, nothing changed since)
 
     @classmethod
     def check(cls, module: torch.nn.Module, device: torch.device) -> None:
@@ -311,7 +311,7 @@ class Master:
                 spans.setdefault(t.untyped_storage().data_ptr(), []).append((*_byte_span(t), i))
         own = {id(t) for t in bases}
         named = list(self.module.named_modules())  # (the live tree: an alias on a module added later too)
-        held = _held.walk([m for _, m in named], ["model" + (f".{n}" if n else "") for n, _ in named])
+        held = self._walked = _held.walk([m for _, m in named], ["model" + (f".{n}" if n else "") for n, _ in named])
         self.aliases: list[tuple[Any, Any, int, int, str]] = []  # (holder, key, base index, byte offset, name)
         for where, holder, key, a in held.tensors:
             if (refuse and a.requires_grad and a.is_leaf and id(a) not in own
@@ -350,10 +350,10 @@ class Master:
                 a.data = standalone(t.untyped_storage(), t.device, first, a.dtype, a.shape, list(a.stride()))
 
     # ------------------------------------------------------------------ attributes and hooks
-    def snapshot(self) -> None:
+    def snapshot(self, walked: _held.Held | None = None) -> None:
         """Remember every module's attributes (the objects themselves: an id is never reused while they are
         held) and the keys of the hooks a replica runs: what :meth:`touched` and :meth:`attribute_changes`
-        compare with."""
+        compare with. ``walked``: :func:`dpool.held.walk` of the modules, taken just now."""
         self._dicts = [m.__dict__ for m in self.modules]
         self._values = [d.values() for d in self._dicts]  # live views
         self._flat = list(itertools.chain.from_iterable(self._values))
@@ -368,7 +368,7 @@ class Master:
         # objects the modules hold (``self.config``, ``self.scales = [1.0, 2.0]``) travel by value, so a change
         # inside one after wrap() (``model.config.output_hidden_states = True``) must ship them again: each
         # container found is compared with a copy (dpool/held.py says which are followed)
-        held = self._held = _held.walk(self.modules, self._where)
+        held = self._held = walked if walked is not None else _held.walk(self.modules, self._where)
         for name in held.skipped:
             if name not in self._warned_skipped:
                 self._warned_skipped.add(name)
