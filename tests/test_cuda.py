@@ -11,6 +11,7 @@ import copy
 import gc
 import os
 import signal
+import types
 
 import pytest
 import torch
@@ -289,6 +290,69 @@ def test_each_gpu_shard_draws_its_own_random_numbers(wrap):
     assert not torch.equal(a[0], a[1]), "the two shards drew the same dropout mask"
     assert not torch.equal(a[0], a[2])  # each forward draws new masks
     assert torch.equal(a, b)  # and the same seed repeats them
+
+
+class _HoldsThings(nn.Module):
+    """A forward that reads what the model holds outside its parameters: a config object, a list, a dict
+    with a GPU tensor, a list with a view of the weight, and a GPU buffer that grows in the first forward."""
+
+    def __init__(self, grow: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.config = types.SimpleNamespace(scale=1.0, act="tanh")
+        self.gains = [1.0]
+        self.masks = {"keep": torch.ones(6)}
+        self.views = [self.lin.weight.detach()]
+        self.register_buffer("seen", torch.zeros(0 if grow else 6))
+
+    def forward(self, x):
+        if not self.seen.numel():
+            self.seen.resize_(x.shape[1])
+        h = getattr(torch, self.config.act)(self.lin(x)) * self.config.scale * self.gains[0]
+        return h * self.masks["keep"] + x @ self.views[0]
+
+
+def test_objects_the_model_holds_and_resized_buffers_on_gpu_workers(wrap):
+    """Objects the model holds, changed in place after wrap() (a config value, a list entry, a GPU tensor in a
+    dict changed in place and replaced), reach GPU workers as they reach CPU ones; a list holding a view of
+    the weight follows the optimizer; and a GPU buffer resized by the forward is the error naming it."""
+    torch.manual_seed(0)
+    net = _HoldsThings().double().to(DEV)
+    ref = copy.deepcopy(net)
+    for m in (net, ref):
+        m.views = [m.lin.weight.detach()]
+        m.masks = {"keep": torch.ones(6, dtype=torch.float64, device=DEV)}
+    model = wrap(net, IDS)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    changes = [
+        None,
+        lambda m: setattr(m.config, "scale", 0.5),
+        lambda m: setattr(m.config, "act", "sigmoid"),
+        lambda m: m.gains.__setitem__(0, 2.0),
+        lambda m: m.masks["keep"].__setitem__(2, 0.0),
+        lambda m: m.masks.__setitem__("keep", torch.full((6,), 0.5, dtype=torch.float64, device=DEV)),
+        None,
+    ]
+    g = torch.Generator(device=DEV).manual_seed(1)
+    for i, change in enumerate(changes):
+        if change is not None:
+            change(net)
+            change(ref)
+        x = torch.randn(8, 6, generator=g, dtype=torch.float64, device=DEV)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            F.mse_loss(m(x), torch.ones_like(x)).backward()
+            o.step()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x), msg=f"change {i}")
+    torch.testing.assert_close(net.lin.weight, ref.lin.weight)
+    model.close()
+    assert net.views[0].data_ptr() == net.lin.weight.data_ptr()
+
+    model = wrap(_HoldsThings(grow=True).to(DEV), IDS)
+    with pytest.raises(RuntimeError, match=r"resized a parameter or buffer in place.*seen\..*"
+                                           r"one forward on the plain module before dpool\.wrap\(\)"):
+        model(torch.randn(4, 6, device=DEV))
 
 
 def test_ipc_work_happens_once_not_per_step(wrap):
