@@ -8,7 +8,8 @@ replica what ``__init__`` did in the coordinator:
 * HF transformers (5.x) records in ``PreTrainedModel.__init__`` which of a model class's outputs its hooks
   can capture (``_CAN_RECORD_REGISTRY``, keyed on the class). A model class never constructed in the worker
   had no entry there, and its replica silently returned no ``hidden_states`` and no ``attentions`` when
-  asked for them (``output_hidden_states=True``).
+  asked for them (``output_hidden_states=True``). The entry is stored under the key ``__init__`` uses, the
+  class's name: 5.24's registry turns a model into it, 5.17's is a plain dict (checked with both).
 
 Nothing is imported here: a library the model uses was imported by unpickling it.
 """
@@ -30,5 +31,6 @@ def prepare(model: torch.nn.Module) -> None:
     if registry is None or not isinstance(pretrained, type):
         return
     for m in model.modules():
-        if isinstance(m, pretrained) and str(type(m)) not in registry:
-            registry[m] = m._can_record_outputs
+        key = str(m.__class__)  # the key modeling_utils stores under: 5.24's registry maps the model to it,
+        if isinstance(m, pretrained) and key not in registry:  # 5.17's is a plain dict that takes it as given
+            dict.__setitem__(registry, key, m._can_record_outputs)
