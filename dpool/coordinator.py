@@ -56,7 +56,7 @@ from .peers import arm_exit_guard
 from .pool import Pool
 from .reduce import Reducer, sum_sparse
 from .regions import IORegions
-from .numerics import apply_numerics, numerics
+from .numerics import apply_numerics, legacy_precision, numerics
 from .replicate import Master
 from .stats import Stats
 from .sync_batchnorm import SyncBatchNorm
@@ -960,11 +960,11 @@ class Runtime:
         deterministic mode, anomaly detection, float32 precision, attention backends): at the first forward,
         and when they changed or a worker was restarted."""
         values = numerics()
-        self.call_workers(functools.partial(apply_numerics, values))
+        self.call_workers(functools.partial(apply_numerics, values, legacy=legacy_precision()))
         self._sent_numerics = values
 
     def _follow_backend_flags(self) -> None:
-        """Give the workers this process's TF32 and cuDNN settings when they changed (or after a restart)."""
+        """Give the workers this process's cuDNN and cuBLAS settings when they changed (or after a restart)."""
         flags = backend_flags()
         if flags != self._sent_flags:
             self.call_workers(functools.partial(apply_backend_flags, flags))

@@ -1,8 +1,8 @@
 """CUDA facts the coordinator and its workers share, apart from moving tensors.
 
-The numerics settings workers copy from the coordinator (:func:`backend_flags`), which CUDA
-errors end a process's context (:func:`sticky_error`), and the free-memory preflight that runs
-before any worker starts (:func:`check_free_memory`). Moving tensors between processes is
+The cuDNN and cuBLAS settings workers copy from the coordinator (:func:`backend_flags`; TF32 is one of
+:mod:`dpool.numerics`), which CUDA errors end a process's context (:func:`sticky_error`), and the
+free-memory preflight that runs before any worker starts (:func:`check_free_memory`). Moving tensors between processes is
 :mod:`dpool.transport.cuda_ipc`'s job.
 """
 from __future__ import annotations
@@ -13,47 +13,28 @@ from typing import Any, Sequence
 import torch
 
 from .errors import WorkerStartError
-from .numerics import fp32_precision, set_fp32_precision
 
 __all__ = ["backend_flags", "apply_backend_flags", "sticky_error", "CONTEXT_BYTES", "shortfall", "check_free_memory",
            "memory_report"]
 
 
-_CUDA_PRECISION_OPS = (("cuda", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"))
-
-
 def backend_flags() -> tuple:
-    """This process's numerics settings that change results on a GPU (TF32, cuDNN's choices).
+    """This process's cuDNN and cuBLAS settings that change results on a GPU, apart from TF32.
 
-    Workers follow the coordinator's, as replicas in nn.DataParallel's one process do. TF32 is read per
-    operation where torch has its newer API (``torch.backends.cuda.matmul.fp32_precision = "tf32"``), whose
-    use makes the legacy getters (``torch.get_float32_matmul_precision()``) raise.
+    Workers follow the coordinator's, as replicas in nn.DataParallel's one process do. TF32 (the float32
+    precision of cuBLAS and cuDNN) is one of :func:`dpool.numerics.numerics`, which every pool follows.
     """
     cudnn = torch.backends.cudnn
-    if _new_precision_api():
-        tf32: tuple = fp32_precision(_CUDA_PRECISION_OPS)
-    else:
-        tf32 = (torch.get_float32_matmul_precision(), cudnn.allow_tf32)
-    return (tf32, cudnn.deterministic, cudnn.benchmark,
-            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+    return (cudnn.deterministic, cudnn.benchmark, torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
 
 
 def apply_backend_flags(flags: tuple, _model: Any = None) -> None:
     """Set :func:`backend_flags` in this (worker) process."""
     cudnn = torch.backends.cudnn
-    if _new_precision_api():
-        set_fp32_precision(_CUDA_PRECISION_OPS, flags[0])
-    else:
-        torch.set_float32_matmul_precision(flags[0][0])
-        cudnn.allow_tf32 = flags[0][1]
-    cudnn.deterministic, cudnn.benchmark = flags[1], flags[2]
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = flags[3]
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flags[4]
-
-
-def _new_precision_api() -> bool:
-    return hasattr(torch._C, "_get_fp32_precision_getter")
+    cudnn.deterministic, cudnn.benchmark = flags[0], flags[1]
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = flags[2]
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flags[3]
 
 
 _STICKY = ("device-side assert", "illegal memory access", "unspecified launch failure", "misaligned address",

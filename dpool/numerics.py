@@ -1,9 +1,10 @@
 """The process settings that change what a forward or backward computes, which workers copy from the
 coordinator (as nn.DataParallel's replicas, in its one process, share them).
 
-:func:`numerics` is read before every forward (1.7 µs) and sent through ``call_workers`` at the first
-forward and whenever it changed; :func:`apply_numerics` sets it in a worker. The CUDA-only settings are
-:func:`dpool.gpu.backend_flags`, which reads its TF32 precisions with :func:`fp32_precision` too.
+:func:`numerics` is read before every forward (2 µs) and sent through ``call_workers`` at the first
+forward and whenever it changed; :func:`apply_numerics` sets it in a worker. The float32 precisions
+(TF32 and bf16) of CPU and GPU are here; the other cuDNN and cuBLAS settings are
+:func:`dpool.gpu.backend_flags`.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import Any, Callable
 import torch
 import torch.backends.mha as _mha
 
-__all__ = ["numerics", "apply_numerics", "fp32_precision", "set_fp32_precision", "sdp_settings", "CPU_PRECISION_OPS"]
+__all__ = ["numerics", "apply_numerics", "fp32_precision", "set_fp32_precision", "legacy_precision", "precision_state",
+           "set_precision_state", "sdp_settings", "CPU_PRECISION_OPS", "CUDA_PRECISION_OPS", "PRECISION_OPS"]
 
 
 # torch's float32 precision settings (torch >= 2.9): "ieee", "tf32", "bf16", or "none" (the parent's), per
@@ -25,12 +27,15 @@ _GET_PRECISION = getattr(torch._C, "_get_fp32_precision_getter", None)
 _SET_PRECISION = getattr(torch._C, "_set_fp32_precision_setter", None)
 CPU_PRECISION_OPS = (("generic", "all"), ("mkldnn", "all"), ("mkldnn", "matmul"), ("mkldnn", "conv"),
                      ("mkldnn", "rnn"))
+CUDA_PRECISION_OPS = (("cuda", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"))
+PRECISION_OPS = CPU_PRECISION_OPS + CUDA_PRECISION_OPS
 
 
-def fp32_precision(ops: tuple) -> tuple:
-    """The float32 precision of each ``(backend, operation)`` in ``ops`` (torch < 2.9: the matmul precision)."""
+def fp32_precision(ops: tuple = PRECISION_OPS) -> tuple:
+    """The float32 precision of each ``(backend, operation)`` in ``ops`` (torch < 2.9, which has no such
+    API: the matmul precision and cuDNN's TF32 switch, whatever ``ops`` is)."""
     if _GET_PRECISION is None:
-        return (torch.get_float32_matmul_precision(),)
+        return torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     return tuple(itertools.starmap(_GET_PRECISION, ops))
 
 
@@ -38,9 +43,46 @@ def set_fp32_precision(ops: tuple, values: tuple) -> None:
     """Set what :func:`fp32_precision` read (parents first, so every child gets its own value)."""
     if _SET_PRECISION is None:
         torch.set_float32_matmul_precision(values[0])
+        torch.backends.cudnn.allow_tf32 = values[1]
         return
     for (backend, op), value in zip(ops, values):
         _SET_PRECISION(backend, op, value)
+
+
+# torch >= 2.9 keeps the legacy settings (torch.set_float32_matmul_precision, torch.backends.cudnn.allow_tf32)
+# beside the per-operation ones, and its legacy getters (get_float32_matmul_precision(), ...matmul.allow_tf32,
+# cudnn.allow_tf32, which libraries read) raise where the two disagree. A legacy setter sets both; the
+# per-operation setters only their own. So a worker given only the per-operation values disagreed with
+# itself where the coordinator did not, and those getters raised in the workers alone.
+def legacy_precision() -> tuple[str | None, bool | None]:
+    """The legacy matmul precision and cuDNN TF32 switch, each ``None`` where its getter raises (this process
+    mixed the two APIs) or torch has only these (then :func:`fp32_precision` holds them)."""
+    if _GET_PRECISION is None:
+        return None, None
+    values: list[Any] = []
+    for get in (torch.get_float32_matmul_precision, torch._C._get_cudnn_allow_tf32):
+        try:
+            values.append(get())
+        except RuntimeError:
+            values.append(None)
+    return values[0], values[1]
+
+
+def precision_state() -> tuple:
+    """Every float32 precision setting of this process, legacy and per operation, for :func:`set_precision_state`."""
+    return legacy_precision(), fp32_precision(PRECISION_OPS)
+
+
+def set_precision_state(state: tuple) -> None:
+    """Set what :func:`precision_state` read: the legacy settings first (each sets some per-operation values
+    too), then every per-operation value. Every getter of this process then answers (or raises) as it did
+    where the state was read."""
+    (matmul, cudnn_tf32), values = state
+    if matmul is not None:
+        torch.set_float32_matmul_precision(matmul)
+    if cudnn_tf32 is not None:
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+    set_fp32_precision(PRECISION_OPS, values)
 
 
 # scaled_dot_product_attention's backends, as torch.nn.attention.sdpa_kernel sets them for the whole process:
@@ -86,8 +128,9 @@ _CPU_BACKEND_GETTERS = tuple(get for get, _ in _CPU_BACKENDS)
 def numerics() -> tuple:
     """This process's settings that change what a forward or backward computes on any device: the default
     dtype (what ``torch.tensor(0.1)`` or ``torch.arange(n) * 0.5`` inside a forward make), deterministic
-    algorithms, autograd's anomaly detection, and the float32 precision of the CPU's matmuls, convolutions
-    and RNNs (``torch.set_float32_matmul_precision``, ``torch.backends.mkldnn.matmul.fp32_precision``), and
+    algorithms, autograd's anomaly detection, and the float32 precision of matmuls, convolutions and RNNs
+    on CPU and GPU (``torch.set_float32_matmul_precision``, ``torch.backends.mkldnn.matmul.fp32_precision``,
+    TF32: ``torch.backends.cudnn.allow_tf32``, ``torch.backends.cuda.matmul.fp32_precision``), and
     the backends ``scaled_dot_product_attention`` may use (``torch.nn.attention.sdpa_kernel``), and
     whether ``nn.MultiheadAttention`` and ``nn.TransformerEncoder`` may take their fast path in inference
     (``torch.backends.mha.set_fastpath_enabled``: it returns zeros at padded positions, the other path
@@ -98,22 +141,23 @@ def numerics() -> tuple:
     :func:`dpool.gpu.backend_flags`)."""
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(), torch.is_anomaly_enabled(),
-            torch.is_anomaly_check_nan_enabled(), fp32_precision(CPU_PRECISION_OPS), sdp_settings(),
+            torch.is_anomaly_check_nan_enabled(), fp32_precision(PRECISION_OPS), sdp_settings(),
             _mha._is_fastpath_enabled, tuple(map(_CALL, _CPU_BACKEND_GETTERS)))
 
 
-def apply_numerics(values: tuple, _model: Any = None) -> None:
-    """Set :func:`numerics` in this (worker) process: only what differs, as
-    ``torch.use_deterministic_algorithms`` imports torch's compiler (seconds) the first time it is called."""
+def apply_numerics(values: tuple, _model: Any = None, legacy: tuple = (None, None)) -> None:
+    """Set :func:`numerics` in this (worker) process, with the coordinator's :func:`legacy_precision` (read
+    when sending: its getters raise in a process that mixed the APIs, which makes them too slow to compare
+    before every forward). Only what differs, as ``torch.use_deterministic_algorithms`` imports torch's
+    compiler (seconds) the first time it is called; the precisions always, each legacy setter changing some."""
     now = numerics()
+    set_precision_state((legacy, values[5]))
     if values[0] != now[0]:
         torch.set_default_dtype(values[0])
     if values[1:3] != now[1:3]:
         torch.use_deterministic_algorithms(values[1], warn_only=values[2])
     if values[3:5] != now[3:5]:
         torch.autograd.set_detect_anomaly(values[3], check_nan=values[4])
-    if values[5] != now[5]:
-        set_fp32_precision(CPU_PRECISION_OPS, values[5])
     if values[6] != now[6]:
         _set_sdp_settings(values[6])
     if values[7] != now[7]:

@@ -349,7 +349,9 @@ def test_objects_the_model_holds_and_resized_buffers_on_gpu_workers(wrap):
     model.close()
     assert net.views[0].data_ptr() == net.lin.weight.data_ptr()
 
-    model = wrap(_HoldsThings(grow=True).to(DEV), IDS)
+    net = _HoldsThings(grow=True).to(DEV)
+    net.masks = {"keep": torch.ones(6, device=DEV)}
+    model = wrap(net, IDS)
     with pytest.raises(RuntimeError, match=r"resized a parameter or buffer in place.*seen\..*"
                                            r"one forward on the plain module before dpool\.wrap\(\)"):
         model(torch.randn(4, 6, device=DEV))
@@ -437,18 +439,17 @@ def test_workers_follow_tf32_and_cudnn_settings(wrap):
         seen = model.worker_states(gpu_numerics)
         assert seen == [(tf32, "high" if tf32 else "highest")] * 2
     # torch's newer per-operation API: using it made the legacy getters dpool read raise at every forward
-    from dpool.gpu import _CUDA_PRECISION_OPS
-    from dpool.numerics import fp32_precision, set_fp32_precision
+    from dpool.numerics import CUDA_PRECISION_OPS, fp32_precision, precision_state, set_precision_state
 
-    saved = fp32_precision(_CUDA_PRECISION_OPS)
+    saved = precision_state()
     try:
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.backends.cudnn.conv.fp32_precision = "ieee"
         model(torch.randn(4, 12, device=DEV))
-        assert model.worker_states(lambda r: fp32_precision(_CUDA_PRECISION_OPS)) == \
-            [fp32_precision(_CUDA_PRECISION_OPS)] * 2
+        assert model.worker_states(lambda r: fp32_precision(CUDA_PRECISION_OPS)) == \
+            [fp32_precision(CUDA_PRECISION_OPS)] * 2
     finally:
-        set_fp32_precision(_CUDA_PRECISION_OPS, saved)
+        set_precision_state(saved)
 
 
 def test_master_on_another_device_is_refused():

@@ -541,18 +541,17 @@ def test_the_float32_precision_reaches_the_workers(wrap):
     float32 matmuls with bf16. DataParallel's replicas, in its one process, follow it; the workers ignored
     it (a difference of 6e-7 here) and must follow it. Their settings are read back, and the outputs equal
     the coordinator's on the same shards bitwise."""
-    from dpool.gpu import _CUDA_PRECISION_OPS
-    from dpool.numerics import CPU_PRECISION_OPS, fp32_precision, set_fp32_precision
+    from dpool.numerics import CPU_PRECISION_OPS, fp32_precision, precision_state, set_precision_state
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
     ref = copy.deepcopy(net)
     model = wrap(net)
     x = torch.randn(8, 256)
-    saved = fp32_precision(CPU_PRECISION_OPS), fp32_precision(_CUDA_PRECISION_OPS)
+    saved = precision_state()
     try:
         for setting in ("legacy", "new", "back"):
-            set_fp32_precision(CPU_PRECISION_OPS, saved[0])
+            set_precision_state(saved)
             if setting == "legacy":
                 torch.set_float32_matmul_precision("medium")
             elif setting == "new":
@@ -564,8 +563,65 @@ def test_the_float32_precision_reaches_the_workers(wrap):
             torch.testing.assert_close(out, torch.cat([ref(x[:4]), ref(x[4:])]), rtol=0, atol=0,
                                        msg=lambda m: f"{setting}: {m}")
     finally:
-        set_fp32_precision(CPU_PRECISION_OPS, saved[0])
-        set_fp32_precision(_CUDA_PRECISION_OPS, saved[1])
+        set_precision_state(saved)
+
+
+def _precision_as_libraries_read_it(_model=None) -> tuple:
+    """torch's legacy getters, which libraries read (and which raise where the two APIs disagree)."""
+    answers = []
+    for get in (torch.get_float32_matmul_precision, lambda: torch.backends.cuda.matmul.allow_tf32,
+                lambda: torch.backends.cudnn.allow_tf32):
+        try:
+            answers.append(get())
+        except RuntimeError:
+            answers.append("raises")
+    return tuple(answers)
+
+
+class _ReadsThePrecision(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        fast = torch.get_float32_matmul_precision() != "highest"  # as a library picks a kernel
+        return self.lin(x) * (2.0 if fast else 1.0)
+
+
+def test_torchs_legacy_precision_getters_answer_in_the_workers_as_in_one_process(wrap):
+    """torch keeps the legacy precision settings (torch.set_float32_matmul_precision, cudnn.allow_tf32) beside
+    the per-operation ones, and its legacy getters raise where the two disagree. Workers were given only the
+    per-operation values: after torch.set_float32_matmul_precision("high") in the script, a forward that
+    called torch.get_float32_matmul_precision() raised in the workers alone (found on a GPU machine, where
+    torch.backends.cuda.matmul.allow_tf32 raised too). The workers' getters must answer as the coordinator's:
+    with its values, or raising where it mixed the two APIs itself."""
+    from dpool.numerics import precision_state, set_precision_state
+
+    torch.manual_seed(0)
+    net = _ReadsThePrecision()
+    model = wrap(net)
+    x = torch.randn(4, 4)
+    saved, before = precision_state(), _precision_as_libraries_read_it()
+    try:
+        for setting in ("high", "cudnn_off", "highest", "mixed"):
+            if setting in ("high", "highest"):
+                torch.set_float32_matmul_precision(setting)
+            elif setting == "cudnn_off":
+                torch.backends.cudnn.allow_tf32 = False
+            else:  # the per-operation API alone: the coordinator's own legacy getters raise
+                torch.backends.cuda.matmul.fp32_precision = "tf32"
+            here = _precision_as_libraries_read_it()
+            assert ("raises" in here) == (setting == "mixed"), (setting, here)
+            if setting == "mixed":  # the forward raises as it does in one process, and the pool stays usable
+                for run in (net, model):
+                    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+                        run(x)
+            else:
+                torch.testing.assert_close(model(x), net(x), msg=setting)
+            assert model.worker_states(_precision_as_libraries_read_it) == [here] * 2, setting
+    finally:
+        set_precision_state(saved)
+    assert _precision_as_libraries_read_it() == before
 
 
 class _Attention(nn.Module):
@@ -741,21 +797,21 @@ def test_the_gpu_settings_are_read_after_torchs_newer_precision_api_was_used():
     torch.get_float32_matmul_precision(), which raises once torch.backends.cuda.matmul.fp32_precision (the
     API torch's docs now advise) has been set: every forward of a GPU pool failed. These are plain process
     settings, read and written the same way on a CPU-only machine."""
-    from dpool.gpu import _CUDA_PRECISION_OPS, apply_backend_flags, backend_flags
-    from dpool.numerics import fp32_precision, set_fp32_precision
+    from dpool.numerics import CUDA_PRECISION_OPS, apply_numerics, fp32_precision, legacy_precision, numerics
+    from dpool.numerics import precision_state, set_precision_state
 
-    saved, before = fp32_precision(_CUDA_PRECISION_OPS), backend_flags()
+    saved, before = precision_state(), numerics()
     try:
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.backends.cudnn.conv.fp32_precision = "ieee"
-        flags = backend_flags()
-        assert flags != before and flags[0] == fp32_precision(_CUDA_PRECISION_OPS)
-        apply_backend_flags(before)
-        assert backend_flags() == before
-        apply_backend_flags(flags)
-        assert backend_flags() == flags and torch.backends.cuda.matmul.fp32_precision == "tf32"
+        values = numerics()
+        assert values != before and values[5][-4:] == fp32_precision(CUDA_PRECISION_OPS)
+        apply_numerics(before, legacy=saved[0])
+        assert numerics() == before
+        apply_numerics(values, legacy=legacy_precision())
+        assert numerics() == values and torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:
-        set_fp32_precision(_CUDA_PRECISION_OPS, saved)
+        set_precision_state(saved)
 
 
 class _NaNBackward(nn.Module):
