@@ -2,8 +2,8 @@
 
 The cuDNN and cuBLAS settings workers copy from the coordinator (:func:`backend_flags`; TF32 is one of
 :mod:`dpool.numerics`), which CUDA errors end a process's context (:func:`sticky_error`), and the
-free-memory preflight that runs before any worker starts (:func:`check_free_memory`). Moving tensors between processes is
-:mod:`dpool.transport.cuda_ipc`'s job.
+free-memory preflight that runs before any worker starts (:func:`check_free_memory`). Moving tensors
+between processes is :mod:`dpool.transport.cuda_ipc`'s job.
 """
 from __future__ import annotations
 

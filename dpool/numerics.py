@@ -31,7 +31,7 @@ CUDA_PRECISION_OPS = (("cuda", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("c
 PRECISION_OPS = CPU_PRECISION_OPS + CUDA_PRECISION_OPS
 
 
-def fp32_precision(ops: tuple = PRECISION_OPS) -> tuple:
+def fp32_precision(ops: tuple) -> tuple:
     """The float32 precision of each ``(backend, operation)`` in ``ops`` (torch < 2.9, which has no such
     API: the matmul precision and cuDNN's TF32 switch, whatever ``ops`` is)."""
     if _GET_PRECISION is None:
@@ -136,9 +136,8 @@ def numerics() -> tuple:
     (``torch.backends.mha.set_fastpath_enabled``: it returns zeros at padded positions, the other path
     values), the CPU's convolution backends (``torch.backends.mkldnn.enabled``, its ``deterministic``,
     ``torch.backends.nnpack.enabled``), fp16 reductions in CPU matmuls, and
-    ``torch.utils.deterministic.fill_uninitialized_memory``. Workers
-    follow the coordinator's, as nn.DataParallel's replicas in its one process do (the CUDA ones:
-    :func:`dpool.gpu.backend_flags`)."""
+    ``torch.utils.deterministic.fill_uninitialized_memory``. Workers follow the coordinator's, as
+    nn.DataParallel's replicas in its one process do (cuDNN's other settings: :func:`dpool.gpu.backend_flags`)."""
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(), torch.is_anomaly_enabled(),
             torch.is_anomaly_check_nan_enabled(), fp32_precision(PRECISION_OPS), sdp_settings(),

@@ -31,6 +31,6 @@ def prepare(model: torch.nn.Module) -> None:
     if registry is None or not isinstance(pretrained, type):
         return
     for m in model.modules():
-        key = str(m.__class__)  # the key modeling_utils stores under: 5.24's registry maps the model to it,
-        if isinstance(m, pretrained) and key not in registry:  # 5.17's is a plain dict that takes it as given
+        key = str(m.__class__)  # what __init__ stores under (a plain dict in 5.17; 5.24's maps a model to it)
+        if isinstance(m, pretrained) and key not in registry:
             dict.__setitem__(registry, key, m._can_record_outputs)
