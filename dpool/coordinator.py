@@ -283,8 +283,8 @@ class Runtime:
                 f"dpool: {what} changed before each of the last 3 forwards. Each change ships the "
                 f"model to the workers again ({(time.perf_counter() - started) * 1e3:.0f} ms this time), as "
                 "DataParallel's per-forward replication would pick it up. Pass a value that changes every step "
-                "as an argument of forward() instead; and keep what forward() does not read (an optimizer's "
-                "scheduler, an EMA copy of the weights, metrics) outside the model.", stacklevel=_user_stacklevel())
+                "as an argument of forward() instead; and keep what forward() does not read (an EMA copy of "
+                "the weights, metrics, counters) outside the model.", stacklevel=_user_stacklevel())
 
     @staticmethod
     def _refuse_dual(tensors: Sequence[torch.Tensor]) -> None:

@@ -13,7 +13,8 @@ lists, tuples, dicts and sets, objects pickled as their ``__dict__`` (plain clas
 the mutable containers among them with a copy of each (:attr:`Held.containers`, :attr:`Held.copies`: one
 list comparison in C, ``==`` with identity first, tells that one changed), and every tensor it met with
 where it is held (:attr:`Held.tensors`: their version counters tell an in-place change, and a tensor that
-views a parameter is kept viewing it). Not followed, and said in the README: objects with pickling of
+views a parameter is kept viewing it). The training loop's objects (an optimizer, a scheduler, a
+gradient scaler) are not walked and travel as a :class:`LeftBehind`. Not followed, and said in the README: objects with pickling of
 their own (``__getstate__``, ``__reduce__``, ``__slots__``), NumPy arrays changed in place, and what lies
 beyond :data:`LIMIT` entries or :data:`DEPTH` levels, which :attr:`Held.skipped` names for a warning.
 """
@@ -27,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Held", "walk", "get", "seed", "LIMIT", "DEPTH"]
+__all__ = ["Held", "walk", "get", "seed", "stays_behind", "LeftBehind", "LIMIT", "DEPTH"]
 
 LIMIT = 50_000  # entries of containers followed in all (compared before each forward: ~9 ns each)
 DEPTH = 6  # levels below a module's attribute
@@ -38,6 +39,44 @@ _ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.
           torch.layout, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
           types.CodeType, range, slice, type(Ellipsis))
 _DEFAULT_GETSTATE = getattr(object, "__getstate__", None)
+
+# The training loop's objects, which a model sometimes holds (``self.opt = Adam(self.parameters())``, a
+# scheduler, a GradScaler). They change at every step, and a scheduler pickles as its __dict__, optimizer
+# and all: followed, the model was shipped again before every forward, with the optimizer's state tensors
+# by value (8 layers of 512x512 with Adam: 200 ms a step instead of 20-50). They stay with the coordinator:
+# the workers get a LeftBehind in their place, which raises if forward() uses it.
+_TRAINING_LOOP = tuple(t for t in (torch.optim.Optimizer, getattr(torch.optim.lr_scheduler, "LRScheduler", None),
+                                   torch.optim.lr_scheduler.ReduceLROnPlateau, getattr(torch.amp, "GradScaler", None),
+                                   torch.cuda.amp.GradScaler) if t is not None)
+
+
+def stays_behind(obj: Any) -> bool:
+    """Whether ``obj`` is one of the training loop's objects, which the workers do not get (see LeftBehind)."""
+    return isinstance(obj, _TRAINING_LOOP)
+
+
+class LeftBehind:
+    """What a worker's replica holds in place of an optimizer, learning-rate scheduler or gradient scaler the
+    model holds. A copy would not follow the training loop's steps; using this raises, naming the object."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __reduce__(self) -> tuple:
+        return LeftBehind, (self.what,)
+
+    def __repr__(self) -> str:
+        return f"<{self.what}: left with dpool's coordinator>"
+
+    def __getattr__(self, name: str) -> Any:
+        from .errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"the model holds {self.what}, which stays with dpool's coordinator (a worker's copy would not "
+            f"follow the training loop's steps), and the replica's forward used it (.{name}). Pass what "
+            "forward() needs from it (the learning rate, the step) as an argument of forward().")
 
 
 @dataclass
@@ -123,7 +162,7 @@ def walk(modules: Sequence[torch.nn.Module], where: Sequence[str]) -> Held:
                 seen.add(id(obj))
                 held.generators.append((name, obj))
             continue
-        if isinstance(obj, _ATOMS) or id(obj) in seen:
+        if isinstance(obj, _ATOMS) or id(obj) in seen or stays_behind(obj):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):

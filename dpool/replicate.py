@@ -74,6 +74,8 @@ class _Pickler(cloudpickle.Pickler):
         return None
 
     def reducer_override(self, obj: Any) -> Any:
+        if _held.stays_behind(obj):  # (the training loop's objects: see dpool.held.LeftBehind)
+            return _held.LeftBehind, (f"a {type(obj).__module__}.{type(obj).__qualname__}",)
         if isinstance(obj, torch.nn.Module) and _parametrize.is_parametrized(obj) and _CAN_REBUILD:
             return _reduce_parametrized(obj)
         if isinstance(obj, types.FunctionType) and _library_closure(obj):
