@@ -14,9 +14,10 @@ the mutable containers among them with a copy of each (:attr:`Held.containers`, 
 list comparison in C, ``==`` with identity first, tells that one changed), and every tensor it met with
 where it is held (:attr:`Held.tensors`: their version counters tell an in-place change, and a tensor that
 views a parameter is kept viewing it). The training loop's objects (an optimizer, a scheduler, a
-gradient scaler) are not walked and travel as a :class:`LeftBehind`. Not followed, and said in the README: objects with pickling of
-their own (``__getstate__``, ``__reduce__``, ``__slots__``), NumPy arrays changed in place, and what lies
-beyond :data:`LIMIT` entries or :data:`DEPTH` levels, which :attr:`Held.skipped` names for a warning.
+gradient scaler) are not walked and travel as a :class:`LeftBehind`. Not followed, and said in the
+README: objects with pickling of their own (``__getstate__``, ``__reduce__``, ``__slots__``), NumPy arrays
+changed in place, and what lies beyond :data:`LIMIT` entries or :data:`DEPTH` levels, which
+:attr:`Held.skipped` names for a warning.
 """
 from __future__ import annotations
 
@@ -43,11 +44,12 @@ _DEFAULT_GETSTATE = getattr(object, "__getstate__", None)
 # The training loop's objects, which a model sometimes holds (``self.opt = Adam(self.parameters())``, a
 # scheduler, a GradScaler). They change at every step, and a scheduler pickles as its __dict__, optimizer
 # and all: followed, the model was shipped again before every forward, with the optimizer's state tensors
-# by value (8 layers of 512x512 with Adam: 200 ms a step instead of 20-50). They stay with the coordinator:
+# by value (8 layers of 512x512 with Adam: 200 ms a step instead of 16). They stay with the coordinator:
 # the workers get a LeftBehind in their place, which raises if forward() uses it.
 _TRAINING_LOOP = tuple(t for t in (torch.optim.Optimizer, getattr(torch.optim.lr_scheduler, "LRScheduler", None),
                                    torch.optim.lr_scheduler.ReduceLROnPlateau, getattr(torch.amp, "GradScaler", None),
-                                   torch.cuda.amp.GradScaler) if t is not None)
+                                   getattr(getattr(torch.cuda, "amp", None), "GradScaler", None))  # (torch < 2.3)
+                       if isinstance(t, type))
 
 
 def stays_behind(obj: Any) -> bool:
