@@ -44,6 +44,9 @@ if [ -n "$missing" ]; then
 fi
 # The worker package installs as dpool_workers; a checkout gets the name through a link (tests run
 # `python -m dpool_workers.cli`).
+# A failure's traceback is printed when the test fails (tests/conftest.py), so that a run cut off by a time
+# limit still says why.
+export DPOOL_TEST_EARLY_TRACEBACKS=${DPOOL_TEST_EARLY_TRACEBACKS:-1}
 links=$site-links
 mkdir -p "$links" && ln -sfn "$PWD/workers" "$links/dpool_workers"
 export PYTHONPATH="$PWD:$links${PYTHONPATH:+:$PYTHONPATH}"

@@ -10,6 +10,17 @@ import pytest
 import torch
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``DPOOL_TEST_EARLY_TRACEBACKS=1`` (scripts/gpu-test.sh sets it), a failure's traceback is printed
+    when the test fails, not at the end of the run: a run its time limit cuts off (a short GPU lease) still
+    says why each test failed."""
+    if report.failed and os.environ.get("DPOOL_TEST_EARLY_TRACEBACKS") == "1":
+        import sys
+
+        sys.__stderr__.write(f"\n--- {report.nodeid} failed ({report.when}) ---\n{report.longreprtext}\n")
+        sys.__stderr__.flush()
+
+
 def dpool_segments() -> set[str]:
     d = os.environ.get("DPOOL_SHM_DIR", "/dev/shm")
     return {n for n in os.listdir(d) if n.startswith(f"dpool-{os.getuid()}-")}
