@@ -29,6 +29,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .errors import UnsupportedError
+
 __all__ = ["Held", "walk", "get", "seed", "stays_behind", "LeftBehind", "LIMIT", "DEPTH"]
 
 LIMIT = 50_000  # entries of containers followed in all (compared before each forward: ~9 ns each)
@@ -73,8 +75,6 @@ class LeftBehind:
         return f"<{self.what}: left with dpool's coordinator>"
 
     def __getattr__(self, name: str) -> Any:
-        from .errors import UnsupportedError
-
         raise UnsupportedError(
             f"the model holds {self.what}, which stays with dpool's coordinator (a worker's copy would not "
             f"follow the training loop's steps), and the replica's forward used it (.{name}). Pass what "
