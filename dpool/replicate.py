@@ -228,6 +228,14 @@ class Master:
         self.modules = [m for _, m in named]
         self._module_names = [n for n, _ in named]
         self._module_ids = {id(m) for m in self.modules}
+        for name, m in named:
+            if isinstance(m, torch.jit.ScriptModule):  # (preorder: the outermost one is named)
+                raise UnsupportedError(
+                    f"{'model.' + name if name else 'the model'} is a TorchScript module ({type(m).__name__}, made "
+                    "by torch.jit.script or torch.jit.trace). dpool ships each worker its replica as a pickle, and "
+                    "TorchScript modules cannot be pickled. Give dpool.wrap() the eager module instead "
+                    "(torch.compile works inside and outside a dpool model)."
+                )
         for name, t in list(zip(self.param_names, self.params)) + named_buffers:
             if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
                 raise DpoolValueError(

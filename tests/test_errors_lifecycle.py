@@ -161,6 +161,12 @@ def test_unpicklable_model_fails_clearly():
     assert isinstance(info.value, dpool.UnpicklableModelError)
     # checked before any worker is spawned, and the attribute that failed is named
     assert "model.lock: _thread.lock" in str(info.value) and "__getstate__" in str(info.value)
+    # a TorchScript module (which pickle refuses deep inside, at its C++ half) is named with the way out
+    scripted = nn.Sequential(nn.Linear(2, 2), torch.jit.script(nn.Sequential(nn.Linear(2, 2), nn.ReLU())))
+    with pytest.raises(NotImplementedError, match=r"model\.1 is a TorchScript module .*eager module"):
+        dpool.wrap(scripted, ["cpu"])
+    with pytest.raises(dpool.UnsupportedError, match=r"the model is a TorchScript module"):
+        dpool.wrap(torch.jit.trace(nn.Linear(2, 2), torch.randn(1, 2)), ["cpu"])
     assert psutil.Process().children() == []
 
 
