@@ -59,7 +59,7 @@ from .regions import IORegions
 from .numerics import apply_numerics, legacy_precision, numerics
 from .replicate import Master
 from .stats import Stats
-from .sync_batchnorm import SyncBatchNorm
+from .sync_batchnorm import synchronizes
 from .sweep import sweep
 from .tensors import DTYPES, Placer, dtype_name, meta_nbytes, nbytes, read
 from .transport.shm import check_free
@@ -197,17 +197,17 @@ class Runtime:
         self.reducer: Reducer
         # cross-node: whether a training forward exchanges anything (buffers, SyncBatchNorm statistics)
         self._forward_collectives = self.layout.buffer_range is not None or any(
-            isinstance(m, SyncBatchNorm) for m in self.module.modules())
+            synchronizes(m) for m in self.module.modules())
         # A criterion's backward may run on the workers right after the loss (see criterion()): not with
         # SyncBatchNorm (its backward's collective would wait on shards that skip it) nor with sparse gradients.
-        self._speculable = not any(isinstance(m, SyncBatchNorm) or getattr(m, "sparse", False) is True
+        self._speculable = not any(synchronizes(m) or getattr(m, "sparse", False) is True
                                    for m in self.module.modules())
         if self.nodes is not None:
             # Buckets leave during the backward as the workers complete them: CPU workers only (a GPU
             # worker's report would have to wait for its stream), and not with SyncBatchNorm, whose
             # exchanges inside the backward would then interleave with the buckets' by timing.
             overlap = (self.config.cross_node_overlap and not self.cuda
-                       and not any(isinstance(m, SyncBatchNorm) for m in self.module.modules()))
+                       and not any(synchronizes(m) for m in self.module.modules()))
             self.reducer = CrossNodeReducer(self.layout, master.params, master.param_strides, self.device, self.nodes,
                                             overlap, fold=not self._forward_collectives)
         else:

@@ -53,6 +53,7 @@ from torch.nn.utils import parametrize as _parametrize
 from torch.utils.hooks import RemovableHandle
 
 from . import held as _held
+from . import sync_batchnorm as _sync_bn
 from .errors import DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError
 from .layout import Layout
 from .tensors import dense_strides, dtype_name
@@ -76,6 +77,8 @@ class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if _held.stays_behind(obj):  # (the training loop's objects: see dpool.held.LeftBehind)
             return _held.LeftBehind, (f"a {type(obj).__module__}.{type(obj).__qualname__}",)
+        if type(obj) is torch.nn.SyncBatchNorm:  # dpool's layer in the replicas (see dpool.sync_batchnorm)
+            return _sync_bn.empty_replica, (), _sync_bn.torch_layer_state(obj)
         if isinstance(obj, torch.nn.Module) and _parametrize.is_parametrized(obj) and _CAN_REBUILD:
             return _reduce_parametrized(obj)
         if isinstance(obj, types.FunctionType) and _library_closure(obj):
@@ -229,6 +232,17 @@ class Master:
         self._module_names = [n for n, _ in named]
         self._module_ids = {id(m) for m in self.modules}
         for name, m in named:
+            if isinstance(m, torch.nn.SyncBatchNorm) and (type(m) is not torch.nn.SyncBatchNorm
+                                                          or m.process_group is not None):
+                raise UnsupportedError(
+                    f"model.{name} is a torch.nn.SyncBatchNorm "
+                    + ("given its own process_group. " if type(m) is torch.nn.SyncBatchNorm else
+                       f"subclass ({type(m).__qualname__}). ")
+                    + "In dpool's workers, which have no process group, torch's layer would normalise each "
+                    "shard alone; dpool runs plain torch.nn.SyncBatchNorm layers as dpool.SyncBatchNorm, whose "
+                    "statistics span the whole batch of every worker (and node), but cannot keep a subset of "
+                    "ranks or a subclass's own code. Use process_group=None, or dpool.convert_sync_batchnorm(net)."
+                )
             if isinstance(m, torch.jit.ScriptModule):  # (preorder: the outermost one is named)
                 raise UnsupportedError(
                     f"{'model.' + name if name else 'the model'} is a TorchScript module ({type(m).__name__}, made "

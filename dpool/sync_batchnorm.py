@@ -9,6 +9,11 @@ statistics are updated from the full-batch statistics, identically on every shar
 
 Outside a dpool worker (the master module used directly, or a single shard) the layer is
 an ordinary BatchNorm.
+
+``torch.nn.SyncBatchNorm`` layers (``nn.SyncBatchNorm.convert_sync_batchnorm``, as scripts written
+for DDP have) are this layer in the workers: the replicas are shipped with this class in their place
+(:func:`torch_layer_state`), since in a worker, which has no process group, torch's layer would
+silently normalise each shard with its own statistics. The master keeps torch's class.
 """
 from __future__ import annotations
 
@@ -25,6 +30,28 @@ _CURRENT: Any = None  # set by the worker around a forward/backward: an object w
 def _set_collective(coll: Any) -> None:
     global _CURRENT
     _CURRENT = coll
+
+
+def synchronizes(module: nn.Module) -> bool:
+    """Whether ``module`` all-reduces in a dpool worker's forward and backward: dpool's layer, or torch's."""
+    return isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm))
+
+
+def torch_layer_state(module: nn.SyncBatchNorm) -> dict[str, Any]:
+    """The state a replica of torch's ``module`` is rebuilt from as a :class:`SyncBatchNorm`.
+
+    torch's ``process_group`` is left out: across workers (and nodes) the layer spans the whole batch
+    of the call. A layer given its own group (statistics over a subset of DDP's ranks) is refused at
+    ``wrap()`` (:meth:`dpool.replicate.Master.collect`) rather than synchronized over a different set.
+    """
+    state = dict(module.__dict__)
+    state.pop("process_group", None)
+    return state
+
+
+def empty_replica() -> SyncBatchNorm:
+    """An empty layer for a replica of torch's (its state follows: :func:`torch_layer_state`)."""
+    return SyncBatchNorm.__new__(SyncBatchNorm)
 
 
 class _AllReduce(torch.autograd.Function):

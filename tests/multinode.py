@@ -28,14 +28,16 @@ D_IN, D_OUT = 6, 3
 class Net(nn.Module):
     """An MLP with BatchNorm, a head used only when asked (``extra``) and a parameter used nowhere."""
 
-    def __init__(self, bn: bool = True, sync_bn: bool = False) -> None:
+    def __init__(self, bn: bool = True, sync_bn: bool | str = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(D_IN, 8)
         self.bn = (nn.BatchNorm1d(8) if bn else nn.Identity())
         self.fc2 = nn.Linear(8, D_OUT)
         self.extra = nn.Linear(D_IN, D_OUT)
         self.unused = nn.Parameter(torch.ones(2))
-        if sync_bn:
+        if sync_bn == "torch":  # as a script written for DDP converts it: the workers run it as dpool's
+            self.bn = nn.SyncBatchNorm.convert_sync_batchnorm(self.bn)
+        elif sync_bn:
             dpool.convert_sync_batchnorm(self)
 
     def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
@@ -89,7 +91,7 @@ def make_deep(shared: bool = False) -> Deep:
     return Deep(shared).double()
 
 
-def make_net(bn: bool = True, sync_bn: bool = False) -> Net:
+def make_net(bn: bool = True, sync_bn: bool | str = False) -> Net:
     torch.manual_seed(0)
     return Net(bn, sync_bn).double()
 

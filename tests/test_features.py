@@ -5,6 +5,7 @@ import copy
 import os
 import time
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -200,13 +201,23 @@ class BNNet(nn.Module):
         return self.bn2(self.lin(h))
 
 
-@pytest.mark.parametrize("n_workers", [2, 3])
-def test_sync_batchnorm_equals_full_batch_batchnorm(wrap, n_workers):
+@pytest.mark.parametrize("n_workers, convert", [(2, "dpool"), (3, "torch")])
+def test_sync_batchnorm_equals_full_batch_batchnorm(wrap, n_workers, convert):
+    """dpool's layer, and torch's as scripts written for DDP convert to it (which in a worker without a
+    process group would normalise each shard alone: the workers run it as dpool's)."""
     torch.manual_seed(0)
     ref = BNNet().double()
-    net = dpool.convert_sync_batchnorm(copy.deepcopy(ref))
-    assert isinstance(net.bn1, dpool.SyncBatchNorm) and isinstance(net.bn2, dpool.SyncBatchNorm)
+    if convert == "dpool":
+        net = dpool.convert_sync_batchnorm(copy.deepcopy(ref))
+        assert isinstance(net.bn1, dpool.SyncBatchNorm) and isinstance(net.bn2, dpool.SyncBatchNorm)
+    else:
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref))
+        assert type(net.bn1) is nn.SyncBatchNorm and type(net.bn2) is nn.SyncBatchNorm
     model = wrap(net, ["cpu"] * n_workers)
+    if convert == "torch":  # the master keeps torch's class; its replicas are dpool's
+        assert type(net.bn1) is nn.SyncBatchNorm
+        assert model.worker_states(lambda r: type(r.bn1).__name__ + type(r.bn2).__module__) == \
+            ["SyncBatchNormdpool.sync_batchnorm"] * n_workers
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
@@ -238,6 +249,21 @@ class FailsOnShard1(nn.Module):
         if x[0, 0] > 100:
             raise ValueError("shard 1 fails before the collective")
         return self.bn(x)
+
+
+def test_torch_sync_batchnorm_dpool_cannot_run_as_asked_is_refused():
+    """torch's layer with its own process group (a subset of DDP's ranks), or a subclass of it (its own
+    forward), would run per shard in the workers: refused at wrap(), before any worker starts."""
+    class MyBN(nn.SyncBatchNorm):
+        pass
+
+    grouped = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4, process_group=object()))
+    with pytest.raises(dpool.UnsupportedError, match=r"model\.1 is a torch\.nn\.SyncBatchNorm given its own "
+                                                     r"process_group.*dpool\.convert_sync_batchnorm"):
+        dpool.wrap(grouped, ["cpu", "cpu"])
+    with pytest.raises(NotImplementedError, match=r"model\.1 is a torch\.nn\.SyncBatchNorm subclass \(.*MyBN\)"):
+        dpool.wrap(nn.Sequential(nn.Linear(3, 4), MyBN(4)), ["cpu", "cpu"])
+    assert psutil.Process().children() == []
 
 
 def test_sync_batchnorm_failure_on_one_shard_does_not_hang(wrap):

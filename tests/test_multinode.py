@@ -142,7 +142,7 @@ def runs():
     started = {
         "ddp": Run("vs_ddp", 2),
         "syncbn_2x2": Run("union", 2, workers=[2, 2], buffers="first", sync_bn=True),
-        "syncbn_1x2": Run("union", 2, workers=[1, 2], buffers="average", sync_bn=True),
+        "syncbn_1x2": Run("union", 2, workers=[1, 2], buffers="average", sync_bn="torch"),
         "bn_sync_2x2": Run("union", 2, workers=[2, 2], buffers="sync", steps=1, head=False),
         "accumulate": Run("accumulate", 2, workers=2),
         "overlap": Run("overlap", 2, workers=[1, 2]),
