@@ -463,11 +463,16 @@ def test_master_on_another_device_is_refused():
         dpool.wrap(net.to(DEV), [0, torch.cuda.device_count()])
 
 
-def test_sync_batchnorm_on_gpu_workers(wrap):
-    """dpool.SyncBatchNorm normalises every shard with whole-batch statistics: a plain BatchNorm's result."""
+@pytest.mark.parametrize("convert", ["dpool", "torch"])
+def test_sync_batchnorm_on_gpu_workers(wrap, convert):
+    """dpool.SyncBatchNorm normalises every shard with whole-batch statistics: a plain BatchNorm's result.
+    So does torch's nn.SyncBatchNorm, which the workers run as dpool's (they have no process group)."""
     torch.manual_seed(5)
     ref = CNN().to(DEV)
-    net = dpool.convert_sync_batchnorm(copy.deepcopy(ref))
+    if convert == "dpool":
+        net = dpool.convert_sync_batchnorm(copy.deepcopy(ref))
+    else:
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref))
     model = wrap(net, IDS)
     x = torch.randn(16, 3, 8, 8, device=DEV)
     out, want = model(x), ref(x)
