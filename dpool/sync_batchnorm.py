@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import UnsupportedError
+
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 _CURRENT: Any = None  # set by the worker around a forward/backward: an object with .world, .allreduce()
@@ -115,12 +117,30 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
     Parameters and buffers are carried over (the same parameter objects), as
     ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does. Call it before :func:`dpool.wrap`.
+    A BatchNorm subclass with a ``forward`` of its own (timm's ``BatchNormAct2d``: BatchNorm, then
+    an activation) is refused with :class:`~dpool.UnsupportedError`: replacing it would silently drop
+    what its forward adds, which torch's converter does.
 
     Example::
 
         >>> net = dpool.convert_sync_batchnorm(net)
         >>> model = dpool.wrap(net)
     """
+    for name, m in module.named_modules():  # all refused before any is replaced: nothing half converted
+        cls = type(m)
+        if (isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, SyncBatchNorm)
+                and cls.forward not in (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward)):
+            raise UnsupportedError(
+                f"{'model.' + name if name else 'the model'} is a {cls.__qualname__}, a BatchNorm with a forward "
+                "of its own: dpool.convert_sync_batchnorm would replace it with a dpool.SyncBatchNorm and "
+                "silently drop what that forward adds (an activation, in timm's BatchNormAct2d). Subclass "
+                "dpool.SyncBatchNorm with the same additions and put it there yourself, or convert only the "
+                "submodules without such layers (net.block = dpool.convert_sync_batchnorm(net.block))."
+            )
+    return _convert(module)
+
+
+def _convert(module: nn.Module) -> nn.Module:
     out = module
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
@@ -134,5 +154,5 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
         out.num_batches_tracked = module.num_batches_tracked
         out.training = module.training
     for name, child in module.named_children():
-        out.add_module(name, convert_sync_batchnorm(child))
+        out.add_module(name, _convert(child))
     return out

@@ -251,11 +251,30 @@ class FailsOnShard1(nn.Module):
         return self.bn(x)
 
 
-def test_torch_sync_batchnorm_dpool_cannot_run_as_asked_is_refused():
+class _BatchNormAct(nn.BatchNorm2d):
+    """As timm's BatchNormAct2d: a BatchNorm whose forward adds an activation."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__(c)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(x))
+
+
+def test_batchnorms_dpool_cannot_synchronize_as_asked_are_refused():
     """torch's layer with its own process group (a subset of DDP's ranks), or a subclass of it (its own
-    forward), would run per shard in the workers: refused at wrap(), before any worker starts."""
+    forward), would run per shard in the workers: refused at wrap(), before any worker starts. And
+    dpool.convert_sync_batchnorm refuses a BatchNorm with a forward of its own, whose additions the
+    replacement would drop (torch's converter drops them), before it replaces anything."""
     class MyBN(nn.SyncBatchNorm):
         pass
+
+    net = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 4, 3), _BatchNormAct(4))
+    with pytest.raises(dpool.UnsupportedError, match=r"model\.2 is a _BatchNormAct, a BatchNorm with a forward of "
+                                                     r"its own.*silently drop"):
+        dpool.convert_sync_batchnorm(net)
+    assert type(net[0]) is nn.BatchNorm2d and type(net[2]) is _BatchNormAct  # nothing half converted
 
     grouped = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4, process_group=object()))
     with pytest.raises(dpool.UnsupportedError, match=r"model\.1 is a torch\.nn\.SyncBatchNorm given its own "
@@ -263,6 +282,8 @@ def test_torch_sync_batchnorm_dpool_cannot_run_as_asked_is_refused():
         dpool.wrap(grouped, ["cpu", "cpu"])
     with pytest.raises(NotImplementedError, match=r"model\.1 is a torch\.nn\.SyncBatchNorm subclass \(.*MyBN\)"):
         dpool.wrap(nn.Sequential(nn.Linear(3, 4), MyBN(4)), ["cpu", "cpu"])
+    converted = dpool.convert_sync_batchnorm(nn.Sequential(nn.Linear(3, 4), MyBN(4)))  # the way out it names
+    assert type(converted[1]) is dpool.SyncBatchNorm
     assert psutil.Process().children() == []
 
 
