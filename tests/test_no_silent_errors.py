@@ -466,6 +466,92 @@ def _refused_until_undone(model, x, before, match, undo):
     torch.testing.assert_close(model(x), before)
 
 
+class _AssignsBuffers(nn.Module):
+    """Buffers a forward assigns anew instead of updating in place: a running average (persistent), a
+    table rebuilt at the length asked for (non-persistent: a cache, as rotary-embedding tables were), and,
+    when told to, a persistent one given another shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=torch.float64)
+        self.register_buffer("avg", torch.zeros(3, dtype=torch.float64))
+        self.register_buffer("table", torch.zeros(1, dtype=torch.float64), persistent=False)
+        self.register_buffer("grows", torch.zeros(2))
+        self.grow = False
+
+    def forward(self, x: torch.Tensor, length: int) -> torch.Tensor:
+        y = self.lin(x)
+        if self.training:
+            self.avg = 0.9 * self.avg + 0.1 * y.detach().mean(0)
+        if self.table.numel() != length:
+            self.register_buffer("table", torch.linspace(0, 1, length, dtype=x.dtype), persistent=False)
+        if self.grow:
+            self.grows = torch.zeros(3)
+        return y - self.avg + self.table.mean()
+
+
+def test_buffers_a_forward_assigns_anew_reach_the_master_like_in_place_updates(wrap):
+    """``self.avg = 0.9 * self.avg + ...`` in a forward: the replica held the new tensor apart from its
+    shared view, so the master never got the update and each worker drifted on its own value (eval on the
+    workers then disagreed with the master they came from). Now the update reaches the master by the buffer
+    policy, as BatchNorm's in-place one does: one worker trains as one process; two follow DataParallel's
+    "first" (each shard starts from the master's buffers, the first shard's update is kept)."""
+    torch.manual_seed(0)
+    net = _AssignsBuffers()
+    ref = copy.deepcopy(net)
+    one = wrap(net, ["cpu"])
+    opt, ropt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref))
+    for step in range(3):
+        x = torch.randn(8, 3, dtype=torch.float64)
+        out, rout = one(x, 4 + step % 2), ref(x, 4 + step % 2)
+        torch.testing.assert_close(out, rout)
+        out.pow(2).sum().backward()
+        rout.pow(2).sum().backward()
+        opt.step(), ropt.step()
+        opt.zero_grad(), ropt.zero_grad()
+    for (name, t), r in zip(net.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(t, r, msg=lambda m: f"{name}: {m}")
+    one.close()
+
+    torch.manual_seed(1)
+    net = _AssignsBuffers()
+    two = wrap(net, ["cpu", "cpu"])
+    for step in range(3):
+        x = torch.randn(8, 3, dtype=torch.float64)
+        shards = [copy.deepcopy(net) for _ in range(2)]  # DataParallel's replicas of the master as it is now
+        want = torch.cat([shards[0](x[:4], 5), shards[1](x[4:], 5)])
+        torch.testing.assert_close(two(x, 5), want)
+        torch.testing.assert_close(net.avg, shards[0].avg)  # the first shard's update, on the master
+    assert not torch.equal(net.avg, torch.zeros(3, dtype=torch.float64))
+    two.eval()
+    net.eval()
+    x = torch.randn(8, 3, dtype=torch.float64)
+    with torch.no_grad():  # every worker runs with the master's buffers, not a value of its own
+        torch.testing.assert_close(two(x, 5), copy.deepcopy(net)(x, 5))
+    two.train()
+
+    before = copy.deepcopy(net.state_dict())
+    net.grow = True
+    with pytest.raises(dpool.RemoteError, match=r"replaced buffer grows \(\(2,\)/torch.float32/cpu\) with "
+                                                 r"\(3,\)/torch.float32/cpu.*persistent=False"):
+        two(torch.randn(8, 3, dtype=torch.float64), 5)
+    for name, t in net.state_dict().items():  # a failed forward commits nothing
+        torch.testing.assert_close(t, before[name], msg=lambda m: f"{name}: {m}")
+    net.grow = False
+    x = torch.randn(8, 3, dtype=torch.float64)
+    shards = [copy.deepcopy(net) for _ in range(2)]
+    torch.testing.assert_close(two(x, 5), torch.cat([shards[0](x[:4], 5), shards[1](x[4:], 5)]))
+    assert two.worker_states(lambda r: tuple(r.grows.shape)) == [(2,), (2,)]  # back in the layout
+
+    # something else holding the old tensor: in one process it would keep the old values, but an update
+    # put into the buffer's shared memory would change them too, so it is an error rather than that
+    aliased = _AssignsBuffers()
+    aliased.before = aliased.avg
+    with pytest.raises(dpool.RemoteError, match=r"assigned buffer avg a new tensor while the model still holds the "
+                                                 r"old one elsewhere"):
+        wrap(aliased, ["cpu"])(torch.randn(4, 3, dtype=torch.float64), 5)
+
+
 def test_a_buffer_viewing_a_parameter_registered_after_wrap_is_refused(wrap):
     """It was silently parted from the weight at the re-sync, as wrap() refuses it for."""
     net = _Knobs()

@@ -47,6 +47,7 @@ from dpool.transport import attach
 from dpool.transport.base import standalone
 from dpool.transport.shm import Mapped
 from dpool.sync_batchnorm import _set_collective
+from .assigned import AssignedBuffers
 from .libraries import prepare
 from .randomness import Streams
 
@@ -117,6 +118,7 @@ class Replica:
         self.stage = "starting"
         self.model: torch.nn.Module | None = None
         self._buffer_shapes: list[torch.Size] = []
+        self._assigned: AssignedBuffers | None = None
         self.streams: Streams | None = None
         self.known: set[str] = set()
         self.segs: dict[str, Mapped] = {}
@@ -207,6 +209,7 @@ class Replica:
         else:
             self._buf_src = self._buf_dst = None
         params: dict[int, torch.nn.Parameter] = {}
+        viewed: set[int] = set()  # buffers another tensor of the replica views
 
         def load(pid: Any) -> Any:
             kind, i = pid[0], pid[1]
@@ -219,6 +222,8 @@ class Replica:
             if kind == "a":  # a plain tensor attribute viewing a parameter's or buffer's memory
                 _, of, i, offset, dt, shape, strides = pid
                 base = self.param_views[i] if of == "p" else self.buffer_views[i]
+                if of != "p":
+                    viewed.add(i)
                 first = base.storage_offset() * base.element_size() + offset
                 return standalone(base.untyped_storage(), base.device, first, DTYPES[dt], shape, list(strides))
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
@@ -253,6 +258,7 @@ class Replica:
         self._reported = bytearray(len(buckets))
         self.modules = list(model.modules())
         self.model = model
+        self._assigned = AssignedBuffers(model, self.buffer_views, viewed)
         self._bn_counts: list[int] = []
         if msg.options.get("bn_counts"):
             bns = [m for m in self.modules
@@ -361,6 +367,8 @@ class Replica:
         inp = self._seg("in", msg.inputs)
         self._seg("out", msg.outputs)
         self._apply_flags(msg.training, msg.requires_grad)
+        if self._assigned is not None and self._assigned.assigned:  # (assigned outside a forward: worker_states)
+            self._assigned.put_back()
         if msg.sync_buffers and self._buf_dst is not None:
             self._buf_dst.copy_(self._buf_src)
         tensors: list[torch.Tensor] = []
@@ -388,6 +396,8 @@ class Replica:
                     out = self.model(*args, **kwargs)
         finally:
             _set_collective(None)
+        if self._assigned is not None and self._assigned.assigned:  # (a buffer given a new tensor: see .assigned)
+            self._assigned.put_back()
         if self._buffer_shapes and list(map(_size, self.buffer_views)) != self._buffer_shapes:
             self._refuse_resized_buffer()
         self.stage = f"returning outputs of shard {msg.shard}"
