@@ -102,6 +102,24 @@ class BufferCommit:
             else:
                 master.copy_(slots[0][i])
 
+    def commit_changed(self, changed: Sequence[int], slots: Sequence[list[torch.Tensor]],
+                       sizes: Sequence[int] | None) -> None:
+        """Write the buffers a backward changed in place (a module's backward hook), by index: the first
+        shard's under ``"first"`` (DataParallel's first replica shares the master's buffers), else the
+        row-weighted mean of the shards' floating-point ones and the first shard's others. ``sizes``:
+        the shards' rows (``None``: the first shard's, as for a higher-order backward)."""
+        for i in sorted(set(changed)):
+            master = self.master_views[i]
+            if (self.policy == "first" or len(slots) == 1 or sizes is None
+                    or not (master.is_floating_point() or master.is_complex())):
+                master.copy_(slots[0][i])
+                continue
+            total = float(sum(sizes))
+            acc = slots[0][i].to(master.device) * (sizes[0] / total)
+            for s in range(1, len(slots)):
+                acc.add_(slots[s][i].to(master.device), alpha=sizes[s] / total)
+            master.copy_(acc)
+
     def _shard_moments(self, bn: nn.modules.batchnorm._BatchNorm, im: int, iv: int, inb: int | None,
                        slots: Sequence[list[torch.Tensor]], counts: list[int]
                        ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:

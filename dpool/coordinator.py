@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import cloudpickle
 import torch
@@ -786,6 +786,9 @@ class Runtime:
         replies = guess.replies
         k = state.k
         param_grads = self.reducer.reduce([self._grad_slots[s] for s in range(k)], [r.param_mask for r in replies])
+        changed = self._changed_buffers(replies)
+        if changed:
+            self._buffers.commit_changed(changed, self._buffer_slots[:k], state.rows)
         self._slot_gen += 1
         busy = [r.busy for r in replies]
         self.stats.backward(busy, k * seed.element_size(),
@@ -916,6 +919,7 @@ class Runtime:
             pool.on_bucket = None
         pool.unlink_segments()
         self._raise_failures(replies, "backward")
+        changed = self._changed_buffers(replies.values())
         self.stats.split_round("backward", pool.sent_at, pool.arrived, replies, k)
         need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}
         if need:  # sparse gradients larger than the sparse segment (or the first ones): grow it, fetch them
@@ -933,15 +937,33 @@ class Runtime:
         # Reduce: the workers' gradient slots, one sum per dtype group (averaged over the nodes in
         # cross-node mode); then sparse gradients. Under no_sync() the gradients stay on the workers.
         if hold:
+            if changed:
+                self._buffers.commit_changed(changed, self._buffer_slots[:k], rows)
             return [None] * len(self.params), replies
         self._workers_hold = False
         param_grads = self.reducer.reduce(slots, [replies[s].param_mask for s in range(k)], at,
                                           any(replies[s].late for s in range(k)))
+        if changed:  # (after the reduce, which may fail across nodes: a failed step commits nothing)
+            self._buffers.commit_changed(changed, self._buffer_slots[:k], rows)
         for s in range(k):
             seg = self.io.segment(s, "sparse")
             sum_sparse(param_grads, [(i, read(seg.views, imeta), read(seg.views, vmeta))
                                      for i, imeta, vmeta in replies[s].sparse], self.params, self.device)
         return param_grads, replies
+
+    def _changed_buffers(self, replies: Iterable[Any]) -> list[int]:
+        """The buffers the shards' backward changed in place (a module's backward hook updating one), which
+        the next forward's refresh would otherwise overwrite with the master's: committed as a forward's
+        updates are. Across nodes only under ``"first"`` (rank 0's are broadcast before each training
+        forward): the other policies would need an exchange no node can know to expect."""
+        changed = [i for r in replies for i in r.buffers]
+        if changed and self.nodes is not None and self.buffer_policy != "first":
+            names = sorted({self.master.buffer_names[i] for i in changed})
+            raise UnsupportedError(
+                f"the backward changed buffers {names} in place (a backward hook?); in cross-node mode dpool "
+                f"combines such updates only with buffers='first', not buffers={self.buffer_policy!r}"
+            )
+        return changed
 
     @_one_call_at_a_time
     def double_backward(self, double: Any, vs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:

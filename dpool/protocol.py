@@ -40,7 +40,7 @@ import hashlib
 import hmac
 import operator
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, NamedTuple, TypeVar
 
 if sys.version_info >= (3, 11):
@@ -95,7 +95,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 9  # 9: forward_done and backward_done carry when the worker's handler started;
+PROTOCOL_VERSION = 10  # 10: backward_done and criterion_done list the buffers the backward updated in place
+# 9: forward_done and backward_done carry when the worker's handler started;
 # forward, backward and criterion may ask the shards to reply together
 # 8: criterion may carry a backward seed; criterion_done reports that backward;
 # backward and criterion carry the parameters' requires_grad flags of the moment
@@ -401,7 +402,7 @@ class Backward(Message):
 
 
 @_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_METAS, busy=(float,), sparse=_LIST,
-          sparse_need=_INT, late=_BOOL, started=(float,))
+          sparse_need=_INT, late=_BOOL, started=(float,), buffers=_LIST)
 class BackwardDone(Message):
     """Parameter gradients are in the worker's gradient slot; ``param_mask`` says which exist.
 
@@ -411,7 +412,8 @@ class BackwardDone(Message):
     that segment was too small and the gradients wait for :class:`FetchSparse`.
     ``late``: a parameter's gradient grew after its bucket was reported ready
     (:class:`BucketReady`), so what was sent early is stale. ``busy`` and ``started``: as
-    :class:`ForwardDone`'s.
+    :class:`ForwardDone`'s. ``buffers``: the indices of the buffers the backward changed in place
+    (a module's backward hook), which the coordinator then commits as a forward's updates.
     """
 
     call: int
@@ -422,6 +424,7 @@ class BackwardDone(Message):
     sparse_need: int
     late: bool
     started: float
+    buffers: list = field(default_factory=list)
 
 
 @_message("fetch_sparse", call=_INT, sparse=_LIST)
@@ -467,13 +470,13 @@ class Criterion(Message):
 
 
 @_message("criterion_done", call=_INT, index=_INT, value=(float,), denom=(float,), backward=_BOOL,
-          param_mask=_BYTES, input_grads=_METAS, busy=(float,))
+          param_mask=_BYTES, input_grads=_METAS, busy=(float,), buffers=_LIST)
 class CriterionDone(Message):
     """The shard's summed loss (kept as output ``index`` of the call, for backward) and its denominator.
 
-    ``backward``: whether the backward that ``seed`` asked for ran; then ``param_mask``, ``input_grads``
-    and ``busy`` are those of its :class:`BackwardDone` (no sparse gradients: a backward that makes any
-    does not count as run). It did not run when no seed came, the worker holds ``no_sync`` gradients, or
+    ``backward``: whether the backward that ``seed`` asked for ran; then ``param_mask``, ``input_grads``,
+    ``busy`` and ``buffers`` are those of its :class:`BackwardDone` (no sparse gradients: a backward that
+    makes any does not count as run). It did not run when no seed came, the worker holds ``no_sync`` gradients, or
     it raised: the ordinary backward round then runs it again and reports any error.
     """
 
@@ -485,6 +488,7 @@ class CriterionDone(Message):
     param_mask: bytes
     input_grads: list
     busy: float
+    buffers: list = field(default_factory=list)
 
 
 @_message("inspect", release=_LIST)

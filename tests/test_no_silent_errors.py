@@ -12,12 +12,14 @@ import types
 import time
 
 from random import uniform as _py_uniform
+from typing import Any
 
 import numpy
 import psutil
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import dpool
 from tests import models
@@ -550,6 +552,61 @@ def test_buffers_a_forward_assigns_anew_reach_the_master_like_in_place_updates(w
     with pytest.raises(dpool.RemoteError, match=r"assigned buffer avg a new tensor while the model still holds the "
                                                  r"old one elsewhere"):
         wrap(aliased, ["cpu"])(torch.randn(4, 3, dtype=torch.float64), 5)
+
+
+class _BackwardHookStat(nn.Module):
+    """A buffer a module's backward hook updates in place: statistics of the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=torch.float64)
+        self.register_buffer("gsum", torch.zeros(3, dtype=torch.float64))
+        self.lin.register_full_backward_hook(self._record)
+
+    def _record(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        self.gsum.add_(grad_output[0].sum(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_buffers_a_backward_hook_updates_in_place_reach_the_master(wrap):
+    """The workers' backward ran the hook on their own buffers, and the next forward's refresh overwrote
+    them with the master's: the updates were lost. Now the workers report the buffers their backward
+    changed and the coordinator commits them as a forward's updates: one worker as one process (the
+    gradient round and the loss on the workers), two by the buffer policy."""
+    for loss_on_workers in (False, True):
+        torch.manual_seed(0)
+        net = _BackwardHookStat()
+        ref = copy.deepcopy(net)
+        model = wrap(net, ["cpu"], gather=not loss_on_workers)
+        crit = dpool.criterion(nn.MSELoss())
+        opt, ropt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref))
+        for _ in range(3):
+            x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+            loss = crit(model(x), y) if loss_on_workers else F.mse_loss(model(x), y)
+            loss.backward()
+            F.mse_loss(ref(x), y).backward()
+            opt.step(), ropt.step()
+            opt.zero_grad(), ropt.zero_grad()
+            torch.testing.assert_close(net.gsum, ref.gsum)
+        assert not torch.equal(net.gsum, torch.zeros(3, dtype=torch.float64))
+        if loss_on_workers:  # the backward the workers ran with the loss reported its buffers too
+            assert model.stats()["backward_rounds_saved"] == 3
+        model.close()
+
+    for policy in ("first", "average"):
+        torch.manual_seed(1)
+        net = _BackwardHookStat()
+        model = wrap(net, ["cpu", "cpu"], buffers=policy)
+        for _ in range(2):
+            x = torch.randn(8, 3, dtype=torch.float64)
+            shards = [copy.deepcopy(net) for _ in range(2)]  # each shard starts from the master's buffers
+            for shard, rows in zip(shards, (x[:4], x[4:])):
+                shard(rows).pow(2).sum().backward()
+            model(x).pow(2).sum().backward()
+            want = shards[0].gsum if policy == "first" else (shards[0].gsum + shards[1].gsum) / 2
+            torch.testing.assert_close(net.gsum, want)
 
 
 def test_a_buffer_viewing_a_parameter_registered_after_wrap_is_refused(wrap):

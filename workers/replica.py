@@ -448,13 +448,27 @@ class Replica:
             if meta is not None and t is not None and t.requires_grad:
                 roots.append(t)
                 grads.append(read(gseg.views, meta))
+        versions = self._buffer_versions()
         own = self._backward_flags(msg.requires_grad)
         try:
             if msg.keep_as:
-                return self._backward_create_graph(msg, call, roots, grads, giseg, t0)
-            return self._backward(msg.call, call, roots, grads, giseg, msg.input_grads[1], msg.hold, msg.sparse, t0)
+                done = self._backward_create_graph(msg, call, roots, grads, giseg, t0)
+            else:
+                done = self._backward(msg.call, call, roots, grads, giseg, msg.input_grads[1], msg.hold, msg.sparse,
+                                      t0)
         finally:
             self._backward_flags(own)
+        if versions:
+            done.buffers = self._changed_buffers(versions)
+        return done
+
+    def _buffer_versions(self) -> list[int]:
+        """The buffers' version counters: a backward hook that updates one in place moves its counter (the
+        refresh before a forward writes the views' memory through another tensor, which moves none)."""
+        return [b._version for b in self.buffer_views]
+
+    def _changed_buffers(self, versions: list[int]) -> list[int]:
+        return [i for i, (b, v) in enumerate(zip(self.buffer_views, versions)) if b._version != v]
 
     def _backward_flags(self, flags: bytes) -> bytes:
         """Give the parameters ``flags`` (one process accumulates into those that require grad when the backward
@@ -637,13 +651,15 @@ class Replica:
         with torch.set_grad_enabled(any(t.requires_grad for t in call.outputs)):
             total, denom = split_loss(loss_fn, call.out, args, self._reduced)
         call.outputs.append(total)
+        versions = self._buffer_versions()
         done = self._speculate(msg, call, total) if msg.seed else None
         self.stage = "idle"
         if done is None:
             return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom), False, b"",
                                    [], 0.0)
         return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom), True,
-                               done.param_mask, done.input_grads, done.busy)
+                               done.param_mask, done.input_grads, done.busy,
+                               self._changed_buffers(versions) if versions else [])
 
     def _speculate(self, msg: P.Criterion, call: _Call, total: torch.Tensor) -> P.BackwardDone | None:
         """The backward of the shard loss ``total`` with the coordinator's ``msg.seed``, run now, exactly as
