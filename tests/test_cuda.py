@@ -357,6 +357,38 @@ def test_objects_the_model_holds_and_resized_buffers_on_gpu_workers(wrap):
         model(torch.randn(4, 6, device=DEV))
 
 
+def test_buffers_assigned_by_the_forward_or_updated_by_a_backward_hook_on_gpu_workers(wrap):
+    """The GPU half of tests/test_no_silent_errors.py's two buffer tests: a persistent buffer the forward
+    assigns a new tensor, and one a backward hook updates in place, reach the master of one GPU worker as
+    in one process, and of two by the "first" policy."""
+    from tests.test_no_silent_errors import _AssignsBuffers, _BackwardHookStat
+
+    for cls in (_AssignsBuffers, _BackwardHookStat):
+        torch.manual_seed(0)
+        net = cls().to(DEV)
+        ref = copy.deepcopy(net)
+        model = wrap(net, [0])
+        args = (5,) if cls is _AssignsBuffers else ()
+        for _ in range(3):
+            x = torch.randn(8, 3, dtype=torch.float64, device=DEV)
+            model(x, *args).pow(2).sum().backward()
+            ref(x, *args).pow(2).sum().backward()
+        for (name, t), r in zip(net.state_dict().items(), ref.state_dict().values()):
+            torch.testing.assert_close(t, r, msg=lambda m: f"{cls.__name__}.{name}: {m}")
+        model.close()
+
+        net = cls().to(DEV)
+        model = wrap(net, IDS)
+        x = torch.randn(8, 3, dtype=torch.float64, device=DEV)
+        first = copy.deepcopy(net)
+        first(x[:4], *args).pow(2).sum().backward()
+        model(x, *args).pow(2).sum().backward()
+        for (name, t), r in zip(net.state_dict().items(), first.state_dict().values()):
+            if name != "lin.weight" and name != "lin.bias":
+                torch.testing.assert_close(t, r, msg=lambda m: f"{cls.__name__}.{name}, two workers: {m}")
+        model.close()
+
+
 def test_ipc_work_happens_once_not_per_step(wrap):
     """Exports and imports happen at wrap() and when a buffer grows, never in a steady-state step."""
     net = MLP().to(DEV)

@@ -486,7 +486,8 @@ class _AssignsBuffers(nn.Module):
         if self.training:
             self.avg = 0.9 * self.avg + 0.1 * y.detach().mean(0)
         if self.table.numel() != length:
-            self.register_buffer("table", torch.linspace(0, 1, length, dtype=x.dtype), persistent=False)
+            self.register_buffer("table", torch.linspace(0, 1, length, dtype=x.dtype, device=x.device),
+                                 persistent=False)
         if self.grow:
             self.grows = torch.zeros(3)
         return y - self.avg + self.table.mean()
