@@ -102,19 +102,27 @@ class BufferCommit:
             else:
                 master.copy_(slots[0][i])
 
-    def commit_changed(self, changed: Sequence[int], slots: Sequence[list[torch.Tensor]],
-                       sizes: Sequence[int] | None) -> None:
-        """Write the buffers a backward changed in place (a module's backward hook), by index: the first
-        shard's under ``"first"`` (DataParallel's first replica shares the master's buffers), else the
-        row-weighted mean of the shards' floating-point ones and the first shard's others. ``sizes``:
-        the shards' rows (``None``: the first shard's, as for a higher-order backward)."""
+    def commit_changed(self, changed: Sequence[int], master_bytes: torch.Tensor, first_bytes: torch.Tensor,
+                       slots: Sequence[list[torch.Tensor]], sizes: Sequence[int] | None) -> None:
+        """Write what a backward changed in the shards' buffers (a module's backward hook; a forward run again
+        by ``torch.utils.checkpoint``). ``changed``: the buffers whose version counters moved.
+
+        Under ``"first"`` every buffer of the first shard is copied, as after a forward, since some
+        updates move no counter: BatchNorm's kernel updates its running statistics in place without one
+        (its ``num_batches_tracked``, updated in Python, does move). Under ``"average"`` and ``"sync"`` the
+        changed buffers only: the row-weighted mean of the shards' floating-point ones, the first shard's
+        others; the rest keep what the forward's commit gave them (``"sync"``'s exact statistics).
+        ``sizes``: the shards' rows (``None``: the first shard's, as for a higher-order backward).
+        """
+        if self.policy == "first" or len(slots) == 1 or sizes is None:
+            master_bytes.copy_(first_bytes)
+            return
+        total = float(sum(sizes))
         for i in sorted(set(changed)):
             master = self.master_views[i]
-            if (self.policy == "first" or len(slots) == 1 or sizes is None
-                    or not (master.is_floating_point() or master.is_complex())):
+            if not (master.is_floating_point() or master.is_complex()):
                 master.copy_(slots[0][i])
                 continue
-            total = float(sum(sizes))
             acc = slots[0][i].to(master.device) * (sizes[0] / total)
             for s in range(1, len(slots)):
                 acc.add_(slots[s][i].to(master.device), alpha=sizes[s] / total)

@@ -788,7 +788,8 @@ class Runtime:
         param_grads = self.reducer.reduce([self._grad_slots[s] for s in range(k)], [r.param_mask for r in replies])
         changed = self._changed_buffers(replies)
         if changed:
-            self._buffers.commit_changed(changed, self._buffer_slots[:k], state.rows)
+            self._buffers.commit_changed(changed, self._master_buffers, self._first_buffers, self._buffer_slots[:k],
+                                          state.rows)
         self._slot_gen += 1
         busy = [r.busy for r in replies]
         self.stats.backward(busy, k * seed.element_size(),
@@ -938,13 +939,13 @@ class Runtime:
         # cross-node mode); then sparse gradients. Under no_sync() the gradients stay on the workers.
         if hold:
             if changed:
-                self._buffers.commit_changed(changed, self._buffer_slots[:k], rows)
+                self._buffers.commit_changed(changed, self._master_buffers, self._first_buffers, self._buffer_slots[:k], rows)
             return [None] * len(self.params), replies
         self._workers_hold = False
         param_grads = self.reducer.reduce(slots, [replies[s].param_mask for s in range(k)], at,
                                           any(replies[s].late for s in range(k)))
         if changed:  # (after the reduce, which may fail across nodes: a failed step commits nothing)
-            self._buffers.commit_changed(changed, self._buffer_slots[:k], rows)
+            self._buffers.commit_changed(changed, self._master_buffers, self._first_buffers, self._buffer_slots[:k], rows)
         for s in range(k):
             seg = self.io.segment(s, "sparse")
             sum_sparse(param_grads, [(i, read(seg.views, imeta), read(seg.views, vmeta))

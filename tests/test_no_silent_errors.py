@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 import dpool
 from tests import models
@@ -571,11 +572,21 @@ class _BackwardHookStat(nn.Module):
         return self.lin(x)
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
 def test_buffers_a_backward_hook_updates_in_place_reach_the_master(wrap):
     """The workers' backward ran the hook on their own buffers, and the next forward's refresh overwrote
     them with the master's: the updates were lost. Now the workers report the buffers their backward
     changed and the coordinator commits them as a forward's updates: one worker as one process (the
-    gradient round and the loss on the workers), two by the buffer policy."""
+    gradient round, the loss on the workers, a BatchNorm that checkpointing runs again in the backward),
+    two by the buffer policy."""
     for loss_on_workers in (False, True):
         torch.manual_seed(0)
         net = _BackwardHookStat()
@@ -595,6 +606,21 @@ def test_buffers_a_backward_hook_updates_in_place_reach_the_master(wrap):
         if loss_on_workers:  # the backward the workers ran with the loss reported its buffers too
             assert model.stats()["backward_rounds_saved"] == 3
         model.close()
+
+    # BatchNorm run again by torch.utils.checkpoint in the backward: one process updates its running
+    # statistics twice, the second time inside the kernel (no version counter moves; num_batches_tracked's does)
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double()
+    ref = copy.deepcopy(net)
+    model = wrap(nn.Sequential(_Checkpointed(net)), ["cpu"])
+    for _ in range(2):
+        x = torch.randn(8, 3, dtype=torch.float64)
+        model(x).pow(2).sum().backward()
+        checkpoint(ref, x, use_reentrant=False).pow(2).sum().backward()
+    for (name, t), r in zip(net.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(t, r, msg=lambda m: f"checkpointed {name}: {m}")
+    assert int(net[1].num_batches_tracked) == 4
+    model.close()
 
     for policy in ("first", "average"):
         torch.manual_seed(1)
