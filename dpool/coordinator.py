@@ -57,7 +57,7 @@ from .pool import Pool
 from .reduce import Reducer, sum_sparse
 from .regions import IORegions
 from .numerics import apply_numerics, legacy_precision, numerics
-from .replicate import Master
+from .replicate import Master, take_rebound
 from .stats import Stats
 from .sync_batchnorm import synchronizes
 from .sweep import sweep
@@ -693,6 +693,8 @@ class Runtime:
                       [round(replies[s].busy * 1e3, 2) for s in range(k)])
         self.balancer.observe(0, [replies[s].busy for s in range(k)], rows)
         # Commit: every shard succeeded, so buffer updates may reach the master (see buffers.py).
+        if any(replies[s].rebound for s in range(k)):
+            self._commit_rebound([s for s in range(k) if replies[s].rebound])
         if self.layout.buffer_range is not None:
             self._buffers.commit(self._master_buffers, self._first_buffers, self._buffer_slots[:k], rows,
                                  [replies[s].stats for s in range(k)],
@@ -951,6 +953,18 @@ class Runtime:
             sum_sparse(param_grads, [(i, read(seg.views, imeta), read(seg.views, vmeta))
                                      for i, imeta, vmeta in replies[s].sparse], self.params, self.device)
         return param_grads, replies
+
+    def _commit_rebound(self, shards: list[int]) -> None:
+        """Parameters whose ``.data`` the shards' forward replaced (see ``Replica._rebound``): the first
+        shard's new values, into the master (each shard's forward started from the same values)."""
+        taken = self._call(shards, take_rebound)
+        done: set[int] = set()
+        with torch.no_grad():
+            for s in shards:
+                for i, t in taken[s].items():
+                    if i not in done:
+                        self.master.param_views[i].copy_(t)
+                        done.add(i)
 
     def _changed_buffers(self, replies: Iterable[Any]) -> list[int]:
         """The buffers the shards' backward changed in place (a module's backward hook updating one), which

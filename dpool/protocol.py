@@ -95,7 +95,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 10  # 10: backward_done and criterion_done list the buffers the backward updated in place
+PROTOCOL_VERSION = 10  # 10: backward_done and criterion_done list the buffers the backward updated in place;
+# forward_done lists the parameters whose .data the forward replaced
 # 9: forward_done and backward_done carry when the worker's handler started;
 # forward, backward and criterion may ask the shards to reply together
 # 8: criterion may carry a backward seed; criterion_done reports that backward;
@@ -337,7 +338,7 @@ class Forward(Message):
 
 
 @_message("forward_done", call=_INT, tree=(object,), tensors=_METAS, need=_INT, stats=_LIST, busy=(float,),
-          started=(float,))
+          started=(float,), rebound=_LIST)
 class ForwardDone(Message):
     """The replica's output structure; ``need > 0`` means the outputs segment was too small.
 
@@ -345,6 +346,9 @@ class ForwardDone(Message):
     ``busy`` is the seconds the worker spent on the request (for ``balance="auto"``), from ``started``,
     its ``time.monotonic()`` when the handler began (the clock every process of a machine shares: the
     coordinator splits a round's time with it, see :meth:`dpool.stats.Stats.split_round`).
+    ``rebound``: the parameters whose ``.data`` the forward replaced (a max-norm constraint written
+    ``self.weight.data = torch.renorm(...)``); the worker keeps their new values for
+    :func:`dpool.replicate.take_rebound`, which the coordinator then calls to commit them.
     """
 
     call: int
@@ -354,6 +358,7 @@ class ForwardDone(Message):
     stats: list
     busy: float
     started: float
+    rebound: list = field(default_factory=list)
 
 
 @_message("fetch", call=_INT, outputs=_LIST)

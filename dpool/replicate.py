@@ -62,6 +62,17 @@ from .transport.base import standalone
 __all__ = ["Master"]
 
 
+# Where a worker keeps the new values of parameters its forward rebound (``p.data = ...``) until the
+# coordinator takes them (dpool.protocol.ForwardDone.rebound): an entry of the replica's __dict__.
+REBOUND = "_dpool_rebound"
+
+
+def take_rebound(replica: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """Run in a worker (``Coordinator._call``): the new values of the parameters its last forward rebound,
+    by index, on the CPU; the worker forgets them."""
+    return {i: t.cpu() for i, t in replica.__dict__.pop(REBOUND, {}).items()}
+
+
 class _Pickler(cloudpickle.Pickler):
     """Pickles the model with its parameters and buffers replaced by references."""
 

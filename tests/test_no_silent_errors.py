@@ -636,6 +636,41 @@ def test_buffers_a_backward_hook_updates_in_place_reach_the_master(wrap):
             torch.testing.assert_close(net.gsum, want)
 
 
+class _MaxNormLinear(nn.Linear):
+    """A max-norm constraint as braindecode's EEG layers write it: the weight's data replaced in the forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.weight.data = torch.renorm(self.weight.data, p=2, dim=0, maxnorm=0.5)
+        return super().forward(x)
+
+
+def test_a_parameter_whose_data_the_forward_replaces_stays_the_masters(wrap):
+    """``self.weight.data = torch.renorm(...)`` in a forward left the replica's parameter off the master's
+    memory for good: the workers trained on a stale copy that never saw another optimizer step, and the
+    master never got the constraint (parameters 100 apart after three steps). Now the worker binds it
+    back and the coordinator writes the new values into the master once: as one process, over steps."""
+    torch.manual_seed(0)
+    net = _MaxNormLinear(4, 3, dtype=torch.float64)
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu", "cpu"])
+    opt, ropt = (torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (net, ref))
+    for _ in range(4):
+        x = torch.randn(8, 4, dtype=torch.float64)
+        out, rout = model(x), ref(x)
+        torch.testing.assert_close(out, rout)
+        out.pow(2).sum().backward()
+        rout.pow(2).sum().backward()
+        torch.testing.assert_close(net.weight.grad, ref.weight.grad)
+        opt.step(), ropt.step()
+        opt.zero_grad(), ropt.zero_grad()
+    torch.testing.assert_close(net.weight, ref.weight)
+    assert net.weight.norm(dim=1).max() > 0.5  # (the step after the last forward's constraint)
+
+    net.weight.data.zero_()  # the constraint again, now on zeros: the workers see the master's memory
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), net.bias.expand(8, 3))
+
+
 def test_a_buffer_viewing_a_parameter_registered_after_wrap_is_refused(wrap):
     """It was silently parted from the weight at the re-sync, as wrap() refuses it for."""
     net = _Knobs()

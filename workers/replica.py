@@ -46,6 +46,7 @@ from dpool.tensors import DTYPES, Placer, check_tensor, from_bytes, meta_nbytes,
 from dpool.transport import attach
 from dpool.transport.base import standalone
 from dpool.transport.shm import Mapped
+from dpool.replicate import REBOUND
 from dpool.sync_batchnorm import _set_collective
 from .assigned import AssignedBuffers
 from .libraries import prepare
@@ -66,6 +67,7 @@ def cuda_stream() -> torch.cuda.Stream:
 
 
 _size = torch.Tensor.size
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -237,6 +239,9 @@ class Replica:
         if missing:
             raise RuntimeError(f"parameters {missing} of the layout did not appear in the pickled model")
         self.params = [params[i] for i in range(len(self.param_views))]
+        self._param_ptrs = [v.data_ptr() for v in self.param_views]
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._param_names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
         self._written = bytearray(len(self.params))
         self._fresh = bytearray(len(self.params))
         buckets = msg.options.get("buckets") or []
@@ -350,6 +355,31 @@ class Replica:
                 self.unfetched.pop(c, None)
             self._to_release = []
 
+    def _rebound(self) -> list[int]:
+        """Parameters whose ``.data`` the forward replaced (``self.weight.data = torch.renorm(...)``, a max-norm
+        constraint): in one process the master's parameter now holds the new values. Here the replica's
+        parameter would have left the master's memory for good (never to see an optimizer step again). So
+        it is bound to that memory again at once, and its new values are kept for the coordinator, which
+        writes the first shard's into the master after every shard's forward (the backward then reads
+        them there, as the forward used them): the forwards of all shards start from the same values."""
+        kept: dict[int, torch.Tensor] = {}
+        for i, (p, view) in enumerate(zip(self.params, self.param_views)):
+            if p.data_ptr() == self._param_ptrs[i]:
+                continue
+            new = p.data
+            p.data = view
+            if new.shape != view.shape or new.dtype != view.dtype or new.device != view.device:
+                raise RuntimeError(
+                    f"the forward replaced the data of parameter {self._param_names[i]} "
+                    f"({tuple(view.shape)}/{view.dtype}/{view.device}) with {tuple(new.shape)}/{new.dtype}/"
+                    f"{new.device}. dpool keeps each parameter at a fixed size in shared memory: keep its shape "
+                    "and dtype, or change the module before dpool.wrap()."
+                )
+            kept[i] = new
+        assert self.model is not None
+        self.model.__dict__[REBOUND] = kept
+        return sorted(kept)
+
     def _refuse_resized_buffer(self) -> None:
         """A forward resized a buffer in place (``resize_``, as QAT's per-channel observers do on their first
         forward). Growing one over shared memory fails in torch on a CPU; shrinking one, or growing one inside
@@ -398,6 +428,7 @@ class Replica:
             _set_collective(None)
         if self._assigned is not None and self._assigned.assigned:  # (a buffer given a new tensor: see .assigned)
             self._assigned.put_back()
+        rebound = self._rebound() if list(map(_data_ptr, self.params)) != self._param_ptrs else []
         if self._buffer_shapes and list(map(_size, self.buffer_views)) != self._buffer_shapes:
             self._refuse_resized_buffer()
         self.stage = f"returning outputs of shard {msg.shard}"
@@ -412,12 +443,13 @@ class Replica:
         offsets = [placer.reserve(t) for t in outs]
         if placer.offset > msg.outputs[1]:
             self.unfetched[msg.call] = (outs, msg.grad)
-            return P.ForwardDone(msg.call, spec, [], placer.offset, list(self._bn_counts), time.monotonic() - t0, t0)
+            return P.ForwardDone(msg.call, spec, [], placer.offset, list(self._bn_counts), time.monotonic() - t0, t0,
+                                 rebound)
         out_seg = self.segs["out"]
         metas = [Placer.write(out_seg.views, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
         self.stage = "idle"
         self._sync()
-        return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.monotonic() - t0, t0)
+        return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.monotonic() - t0, t0, rebound)
 
     def fetch(self, msg: P.Fetch) -> P.Message:
         if msg.call in self.unfetched:
