@@ -671,6 +671,62 @@ def test_a_parameter_whose_data_the_forward_replaces_stays_the_masters(wrap):
         torch.testing.assert_close(model(x), net.bias.expand(8, 3))
 
 
+class _ShrinksInPlace(nn.Linear):
+    """Weight decay written into the forward, in place: one process shrinks the weight once per step."""
+
+    shrink = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shrink:
+            self.weight.data.mul_(0.9)
+        return super().forward(x)
+
+
+class _RenormedEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, max_norm=0.5)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(t).mean(1))
+
+
+def test_a_parameter_the_forward_changes_in_place_is_an_error(wrap):
+    """The replicas' parameters are the master's memory: ``self.weight.data.mul_(0.9)`` in a forward ran
+    once per shard on it (0.81 a step with two workers where one process gives 0.9), silently, and
+    ``nn.Embedding(max_norm=...)``'s renorm of the rows it looks up, run by two shards on the same row at
+    once, gave rows 0.35 off. Both are errors now when a call has several shards (one shard changes the
+    master once, as one process does)."""
+    net = _ShrinksInPlace(4, 3)
+    model = wrap(net, ["cpu", "cpu"])
+    with pytest.raises(dpool.RemoteError, match=r"changed parameter\(s\) weight in place.*each of the 2 "
+                                                 r"shard\(s\) applied the change to the master"):
+        model(torch.randn(8, 4))
+    net.shrink = False  # the pool stays usable (an attribute changed after wrap() is followed)
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(model(x), nn.functional.linear(x, net.weight, net.bias))
+    net.shrink = True
+    torch.manual_seed(0)
+    ref = copy.deepcopy(net)
+    one = wrap(_ShrinksInPlace(4, 3), ["cpu"])
+    dpool.unwrap(one).load_state_dict(ref.state_dict())
+    for _ in range(2):  # one worker: as one process
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(one(x), ref(x))
+    torch.testing.assert_close(dpool.unwrap(one).weight, ref.weight)
+
+    torch.manual_seed(0)
+    net = _RenormedEmbedding()
+    before = copy.deepcopy(net.state_dict())
+    model = wrap(net, ["cpu", "cpu"])
+    with pytest.raises(dpool.RemoteError, match=r"emb: nn\.Embedding\(max_norm=\.\.\.\) renormalises the rows "
+                                                 r"it looks up in place.*torch\.renorm"):
+        model(torch.tensor([[0, 1, 2], [3, 4, 0], [0, 1, 2], [3, 4, 0]]))
+    for name, t in net.state_dict().items():  # refused before the forward wrote anything
+        torch.testing.assert_close(t, before[name])
+
+
 def test_a_buffer_viewing_a_parameter_registered_after_wrap_is_refused(wrap):
     """It was silently parted from the weight at the re-sync, as wrap() refuses it for."""
     net = _Knobs()

@@ -97,6 +97,50 @@ class _Unpickler(pickle.Unpickler):
         return self._load(pid)
 
 
+class _Sentinel:
+    """The first and last element of each parameter, read before and after a CPU worker's forward.
+
+    A replica's parameters are the master's memory. A forward that changes one in place
+    (``self.weight.data.mul_(0.9)``) therefore changes the master once per shard, where one process
+    changes it once: a wrong number unless the change is idempotent. A change of almost any
+    element moves the first or the last, so comparing those few bytes (two ``index_select`` of a few
+    bytes per parameter, microseconds) turns it into an error. Only forwards of several shards check: one
+    shard changes the master once, as one process does. Even an idempotent change is not safe there:
+    two shards that change the same elements at once read them half changed (see ``_refuse_renorm``).
+    GPU workers do not check (it would cost a synchronisation per forward).
+    """
+
+    def __init__(self, u8: torch.Tensor, layout: list, params: list[torch.Tensor]) -> None:
+        index: list[int] = []
+        self.owner: list[int] = []
+        for i, ((dt, shape, off, _, strides), p) in enumerate(zip(layout, params)):
+            if p.numel() == 0:
+                continue
+            size = DTYPES[dt].itemsize
+            span = p.numel() - 1 if strides is None else sum((n - 1) * st for n, st in zip(shape, strides))
+            last = off + span * size
+            for start in sorted({off, last}):
+                index.extend(range(start, start + size))
+                self.owner.extend([i] * size)
+        self.u8 = u8
+        self.index = torch.tensor(index, dtype=torch.long)
+
+    def read(self) -> torch.Tensor:
+        return self.u8.index_select(0, self.index)
+
+    def check(self, before: torch.Tensor, names: list[str], world: int) -> None:
+        if torch.equal(before, self.read()):
+            return
+        moved = sorted({names[self.owner[j]] for j in (before != self.read()).nonzero().flatten().tolist()})
+        raise RuntimeError(
+            f"the forward changed parameter(s) {', '.join(moved)} in place. A replica's parameters are the "
+            f"master's memory, so each of the {world} shard(s) applied the change to the master (it is "
+            "changed now), where one process applies it once. Make the change outside the forward (after "
+            "optimizer.step()), or assign new data (self.weight.data = ...), which dpool writes to the master "
+            "once."
+        )
+
+
 class _Call:
     __slots__ = ("outputs", "leaves", "world", "out", "n_out")
 
@@ -242,6 +286,9 @@ class Replica:
         self._param_ptrs = [v.data_ptr() for v in self.param_views]
         names = {id(p): n for n, p in model.named_parameters()}
         self._param_names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
+        self._sentinel = None if self.on_gpu else _Sentinel(master.u8, msg.param_layout, self.params)
+        self._renorms = [n or "the model" for n, m in model.named_modules()
+                         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None]
         self._written = bytearray(len(self.params))
         self._fresh = bytearray(len(self.params))
         buckets = msg.options.get("buckets") or []
@@ -355,6 +402,18 @@ class Replica:
                 self.unfetched.pop(c, None)
             self._to_release = []
 
+    def _refuse_renorm(self, world: int) -> None:
+        """``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in place, in the master's memory
+        (the replicas' parameters): shards that look up the same row at once read it half scaled and scale it
+        again (measured: rows 0.35 off). Refused before the forward writes anything."""
+        raise RuntimeError(
+            f"{', '.join(self._renorms)}: nn.Embedding(max_norm=...) renormalises the rows it looks up in place "
+            f"during the forward, and the {world} shards of this call would do it at once in the master's memory, "
+            "which their replicas share: rows that two shards look up would come out wrong. Renormalise in the "
+            "training loop instead (after optimizer.step(): with torch.no_grad(): emb.weight.data = "
+            "torch.renorm(emb.weight, 2, 0, max_norm)) and set max_norm=None, or run this model on one worker."
+        )
+
     def _rebound(self) -> list[int]:
         """Parameters whose ``.data`` the forward replaced (``self.weight.data = torch.renorm(...)``, a max-norm
         constraint): in one process the master's parameter now holds the new values. Here the replica's
@@ -415,6 +474,9 @@ class Replica:
         assert self.model is not None
         # this shard's own streams, derived from the coordinator's draw (dropout, random augmentation)
         self.streams.seed(msg.seed + 0x9E3779B97F4A7C15 * (msg.shard + 1))
+        if msg.world > 1 and self._renorms:
+            self._refuse_renorm(msg.world)
+        before = self._sentinel.read() if self._sentinel is not None and msg.world > 1 else None
         self._enter_collective(msg.world)
         try:
             with torch.set_grad_enabled(msg.grad):
@@ -429,6 +491,8 @@ class Replica:
         if self._assigned is not None and self._assigned.assigned:  # (a buffer given a new tensor: see .assigned)
             self._assigned.put_back()
         rebound = self._rebound() if list(map(_data_ptr, self.params)) != self._param_ptrs else []
+        if before is not None and self._sentinel is not None:
+            self._sentinel.check(before, self._param_names, msg.world)
         if self._buffer_shapes and list(map(_size, self.buffer_views)) != self._buffer_shapes:
             self._refuse_resized_buffer()
         self.stage = f"returning outputs of shard {msg.shard}"
