@@ -481,8 +481,8 @@ class CriterionDone(Message):
 
     ``backward``: whether the backward that ``seed`` asked for ran; then ``param_mask``, ``input_grads``,
     ``busy`` and ``buffers`` are those of its :class:`BackwardDone` (no sparse gradients: a backward that
-    makes any does not count as run). It did not run when no seed came, the worker holds ``no_sync`` gradients, or
-    it raised: the ordinary backward round then runs it again and reports any error.
+    makes any does not count as run). It did not run when no seed came, the worker holds ``no_sync``
+    gradients, or it raised: the ordinary backward round then runs it again and reports any error.
     """
 
     call: int

@@ -246,7 +246,7 @@ class Master:
             if isinstance(m, torch.nn.SyncBatchNorm) and (type(m) is not torch.nn.SyncBatchNorm
                                                           or m.process_group is not None):
                 raise UnsupportedError(
-                    f"model.{name} is a torch.nn.SyncBatchNorm "
+                    f"{'model.' + name if name else 'the model'} is a torch.nn.SyncBatchNorm "
                     + ("given its own process_group. " if type(m) is torch.nn.SyncBatchNorm else
                        f"subclass ({type(m).__qualname__}). ")
                     + "In dpool's workers, which have no process group, torch's layer would normalise each "
