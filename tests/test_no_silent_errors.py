@@ -557,16 +557,19 @@ def test_buffers_a_forward_assigns_anew_reach_the_master_like_in_place_updates(w
 
 
 class _BackwardHookStat(nn.Module):
-    """A buffer a module's backward hook updates in place: statistics of the gradients."""
+    """Buffers a module's backward hook updates: statistics of the gradients (in place) and a count
+    (assigned anew)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 3, dtype=torch.float64)
         self.register_buffer("gsum", torch.zeros(3, dtype=torch.float64))
+        self.register_buffer("gseen", torch.zeros((), dtype=torch.int64))
         self.lin.register_full_backward_hook(self._record)
 
     def _record(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
         self.gsum.add_(grad_output[0].sum(0))
+        self.gseen = self.gseen + 1  # (assigned anew, in the backward)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x)
@@ -603,6 +606,7 @@ def test_buffers_a_backward_hook_updates_in_place_reach_the_master(wrap):
             opt.zero_grad(), ropt.zero_grad()
             torch.testing.assert_close(net.gsum, ref.gsum)
         assert not torch.equal(net.gsum, torch.zeros(3, dtype=torch.float64))
+        assert int(net.gseen) == 3
         if loss_on_workers:  # the backward the workers ran with the loss reported its buffers too
             assert model.stats()["backward_rounds_saved"] == 3
         model.close()

@@ -555,6 +555,8 @@ class Replica:
         finally:
             self._backward_flags(own)
         if versions:
+            if self._assigned is not None and self._assigned.assigned:  # (a hook assigned one: into its view)
+                self._assigned.put_back()
             done.buffers = self._changed_buffers(versions)
         return done
 
@@ -749,6 +751,8 @@ class Replica:
         call.outputs.append(total)
         versions = self._buffer_versions()
         done = self._speculate(msg, call, total) if msg.seed else None
+        if done is not None and versions and self._assigned is not None and self._assigned.assigned:
+            self._assigned.put_back()
         self.stage = "idle"
         if done is None:
             return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom), False, b"",
