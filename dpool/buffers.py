@@ -83,7 +83,6 @@ class BufferCommit:
         dev = master_bytes.device
         if any(sl and sl[0].device != dev for sl in slots):  # replicas on other GPUs
             slots = [[t.to(dev) for t in sl] for sl in slots]
-        total = float(sum(sizes))
         done: set[int] = set()
         if self.policy == "sync":
             for j, (bn, im, iv, inb) in enumerate(self.batchnorms):
@@ -91,16 +90,21 @@ class BufferCommit:
                     continue
                 self._sync_bn(bn, im, iv, inb, slots, [c[j] for c in counts])
                 done.update((im, iv) if inb is None else (im, iv, inb))
-        for i, master in enumerate(self.master_views):
-            if i in done:
-                continue
-            if master.is_floating_point() or master.is_complex():
-                acc = slots[0][i] * (sizes[0] / total)
-                for s in range(1, len(slots)):
-                    acc.add_(slots[s][i], alpha=sizes[s] / total)
-                master.copy_(acc)
-            else:
-                master.copy_(slots[0][i])
+        for i in range(len(self.master_views)):
+            if i not in done:
+                self._mean_of_shards(i, slots, sizes)
+
+    def _mean_of_shards(self, i: int, slots: Sequence[list[torch.Tensor]], sizes: Sequence[int]) -> None:
+        """Buffer ``i`` of the master := the row-weighted mean of the shards' (floating point), else the first's."""
+        master = self.master_views[i]
+        if not (master.is_floating_point() or master.is_complex()):
+            master.copy_(slots[0][i])
+            return
+        total = float(sum(sizes))
+        acc = slots[0][i].to(master.device) * (sizes[0] / total)
+        for s in range(1, len(slots)):
+            acc.add_(slots[s][i].to(master.device), alpha=sizes[s] / total)
+        master.copy_(acc)
 
     def commit_changed(self, changed: Sequence[int], master_bytes: torch.Tensor, first_bytes: torch.Tensor,
                        slots: Sequence[list[torch.Tensor]], sizes: Sequence[int] | None) -> None:
@@ -117,16 +121,8 @@ class BufferCommit:
         if self.policy == "first" or len(slots) == 1 or sizes is None:
             master_bytes.copy_(first_bytes)
             return
-        total = float(sum(sizes))
         for i in sorted(set(changed)):
-            master = self.master_views[i]
-            if not (master.is_floating_point() or master.is_complex()):
-                master.copy_(slots[0][i])
-                continue
-            acc = slots[0][i].to(master.device) * (sizes[0] / total)
-            for s in range(1, len(slots)):
-                acc.add_(slots[s][i].to(master.device), alpha=sizes[s] / total)
-            master.copy_(acc)
+            self._mean_of_shards(i, slots, sizes)
 
     def _shard_moments(self, bn: nn.modules.batchnorm._BatchNorm, im: int, iv: int, inb: int | None,
                        slots: Sequence[list[torch.Tensor]], counts: list[int]

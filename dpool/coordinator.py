@@ -788,10 +788,7 @@ class Runtime:
         replies = guess.replies
         k = state.k
         param_grads = self.reducer.reduce([self._grad_slots[s] for s in range(k)], [r.param_mask for r in replies])
-        changed = self._changed_buffers(replies)
-        if changed:
-            self._buffers.commit_changed(changed, self._master_buffers, self._first_buffers, self._buffer_slots[:k],
-                                          state.rows)
+        self._commit_backward_buffers(self._changed_buffers(replies), k, state.rows)
         self._slot_gen += 1
         busy = [r.busy for r in replies]
         self.stats.backward(busy, k * seed.element_size(),
@@ -940,14 +937,12 @@ class Runtime:
         # Reduce: the workers' gradient slots, one sum per dtype group (averaged over the nodes in
         # cross-node mode); then sparse gradients. Under no_sync() the gradients stay on the workers.
         if hold:
-            if changed:
-                self._buffers.commit_changed(changed, self._master_buffers, self._first_buffers, self._buffer_slots[:k], rows)
+            self._commit_backward_buffers(changed, k, rows)
             return [None] * len(self.params), replies
         self._workers_hold = False
         param_grads = self.reducer.reduce(slots, [replies[s].param_mask for s in range(k)], at,
                                           any(replies[s].late for s in range(k)))
-        if changed:  # (after the reduce, which may fail across nodes: a failed step commits nothing)
-            self._buffers.commit_changed(changed, self._master_buffers, self._first_buffers, self._buffer_slots[:k], rows)
+        self._commit_backward_buffers(changed, k, rows)  # (after the reduce, which may fail across nodes)
         for s in range(k):
             seg = self.io.segment(s, "sparse")
             sum_sparse(param_grads, [(i, read(seg.views, imeta), read(seg.views, vmeta))
@@ -965,6 +960,11 @@ class Runtime:
                     if i not in done:
                         self.master.param_views[i].copy_(t)
                         done.add(i)
+
+    def _commit_backward_buffers(self, changed: list[int], k: int, rows: Sequence[int] | None) -> None:
+        if changed:
+            self._buffers.commit_changed(changed, self._master_buffers, self._first_buffers, self._buffer_slots[:k],
+                                         rows)
 
     def _changed_buffers(self, replies: Iterable[Any]) -> list[int]:
         """The buffers the shards' backward changed in place (a module's backward hook updating one), which

@@ -402,6 +402,11 @@ class Replica:
                 self.unfetched.pop(c, None)
             self._to_release = []
 
+    def _put_back_assigned(self) -> None:
+        """Buffers assigned a new tensor since the last look, into their views (see :mod:`.assigned`)."""
+        if self._assigned is not None and self._assigned.assigned:
+            self._assigned.put_back()
+
     def _refuse_renorm(self, world: int) -> None:
         """``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in place, in the master's memory
         (the replicas' parameters): shards that look up the same row at once read it half scaled and scale it
@@ -456,8 +461,7 @@ class Replica:
         inp = self._seg("in", msg.inputs)
         self._seg("out", msg.outputs)
         self._apply_flags(msg.training, msg.requires_grad)
-        if self._assigned is not None and self._assigned.assigned:  # (assigned outside a forward: worker_states)
-            self._assigned.put_back()
+        self._put_back_assigned()  # (assigned outside a forward: worker_states)
         if msg.sync_buffers and self._buf_dst is not None:
             self._buf_dst.copy_(self._buf_src)
         tensors: list[torch.Tensor] = []
@@ -476,7 +480,8 @@ class Replica:
         self.streams.seed(msg.seed + 0x9E3779B97F4A7C15 * (msg.shard + 1))
         if msg.world > 1 and self._renorms:
             self._refuse_renorm(msg.world)
-        before = self._sentinel.read() if self._sentinel is not None and msg.world > 1 else None
+        sentinel = self._sentinel if msg.world > 1 else None  # (one shard changes the master once: fine)
+        before = sentinel.read() if sentinel is not None else None
         self._enter_collective(msg.world)
         try:
             with torch.set_grad_enabled(msg.grad):
@@ -488,11 +493,10 @@ class Replica:
                     out = self.model(*args, **kwargs)
         finally:
             _set_collective(None)
-        if self._assigned is not None and self._assigned.assigned:  # (a buffer given a new tensor: see .assigned)
-            self._assigned.put_back()
+        self._put_back_assigned()  # (a buffer given a new tensor: see .assigned)
         rebound = self._rebound() if list(map(_data_ptr, self.params)) != self._param_ptrs else []
-        if before is not None and self._sentinel is not None:
-            self._sentinel.check(before, self._param_names, msg.world)
+        if sentinel is not None and before is not None:
+            sentinel.check(before, self._param_names, msg.world)
         if self._buffer_shapes and list(map(_size, self.buffer_views)) != self._buffer_shapes:
             self._refuse_resized_buffer()
         self.stage = f"returning outputs of shard {msg.shard}"
@@ -555,8 +559,7 @@ class Replica:
         finally:
             self._backward_flags(own)
         if versions:
-            if self._assigned is not None and self._assigned.assigned:  # (a hook assigned one: into its view)
-                self._assigned.put_back()
+            self._put_back_assigned()  # (a hook assigned one: into its view, before the counters are read)
             done.buffers = self._changed_buffers(versions)
         return done
 
@@ -751,8 +754,8 @@ class Replica:
         call.outputs.append(total)
         versions = self._buffer_versions()
         done = self._speculate(msg, call, total) if msg.seed else None
-        if done is not None and versions and self._assigned is not None and self._assigned.assigned:
-            self._assigned.put_back()
+        if done is not None and versions:
+            self._put_back_assigned()
         self.stage = "idle"
         if done is None:
             return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom), False, b"",
