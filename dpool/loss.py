@@ -33,7 +33,7 @@ import cloudpickle
 import torch
 
 from . import gather as _gather
-from .errors import DpoolValueError
+from .errors import DpoolValueError, UnsupportedError
 from .tensors import to_bytes
 
 if TYPE_CHECKING:
@@ -134,7 +134,23 @@ class criterion:
     def __call__(self, output: Any, *targets: Any) -> torch.Tensor:
         if not isinstance(output, ShardedOutput):
             return self.loss(output, *targets)  # a gathered output: compute it here
+        if torch.is_grad_enabled() and isinstance(self.loss, torch.nn.Module):
+            self._refuse_trainable()
         return output._runtime.criterion(output, self, targets)
+
+    def _refuse_trainable(self) -> None:
+        """The workers compute the loss with copies of it, whose parameters' gradients stay there: a loss
+        with parameters that learn (an ArcFace head, learned task weights) would silently never train."""
+        names = [n for n, p in self.loss.named_parameters() if p.requires_grad]
+        if names:
+            name = type(self.loss).__name__
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise UnsupportedError(
+                f"dpool.criterion({name}): the loss has parameters that require grad ({shown}). The workers "
+                f"compute the loss with copies of it, and the gradients of those copies' parameters would never "
+                f"reach {name}'s, so they would not train. Compute this loss on the gathered output "
+                f"(loss_fn(out.gather(), target)), or move the parameters into the wrapped model (a margin or "
+                f"classifier head as its last layer); if they are not meant to train, {name}.requires_grad_(False).")
 
 
 def _loss_state(loss: Any) -> tuple[list, list[torch.Tensor]]:
@@ -315,6 +331,35 @@ def split_loss(loss_fn: Any, out: Any, args: tuple,
     reduction = getattr(loss_fn, "reduction", None)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"dpool.criterion supports reduction 'mean' or 'sum', not {reduction!r}")
+    own = _own_tensors(loss_fn)
+    versions = [t._version for _, _, t in own]
+    total, denom = _split(loss_fn, reduction, out, args, cache)
+    for (mod, key, t), v in zip(own, versions):
+        if _held(mod, key) is not t or t._version != v:
+            name = type(loss_fn).__name__
+            raise ValueError(
+                f"dpool.criterion({name}): the loss's forward changed its tensor {key!r} "
+                f"({'in place' if _held(mod, key) is t else 'assigned anew'}). The workers compute the loss with "
+                f"copies of it (and once more on the shards where they check it), so such a change would never "
+                f"reach {name} itself, and the copies would drift apart. Keep that state outside the loss, or "
+                f"compute this loss on the gathered output: loss_fn(out.gather(), target).")
+    return total, denom
+
+
+def _own_tensors(loss_fn: Any) -> list[tuple[Any, str, torch.Tensor]]:
+    """The parameters and buffers of a loss module (usually none, or its class weights), with their homes."""
+    if not isinstance(loss_fn, torch.nn.Module):
+        return []
+    return [(m, k, t) for m in loss_fn.modules() for d in (m._parameters, m._buffers) for k, t in d.items()
+            if t is not None]
+
+
+def _held(mod: torch.nn.Module, key: str) -> Any:
+    return mod._parameters.get(key, mod._buffers.get(key))
+
+
+def _split(loss_fn: Any, reduction: str, out: Any, args: tuple,
+           cache: dict[tuple[int, str], tuple[Any, Any]]) -> tuple[torch.Tensor, float]:
     total = _reduced_as(loss_fn, "sum", cache)(out, *args)
     denom = target_denominator(loss_fn, args) if reduction == "mean" else 1.0
     check = type(loss_fn) not in _SPLITS_EXACTLY and _check_due(loss_fn, cache)

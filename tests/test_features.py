@@ -450,6 +450,72 @@ def test_a_criterion_gives_the_batch_loss_for_every_torch_loss_or_a_clear_error(
         assert torch.equal(p.grad, rp.grad) and not p.grad.any()
 
 
+class _MarginLoss(nn.Module):
+    """A loss with a classifier of its own (ArcFace's, CosFace's) and a counter its forward keeps."""
+
+    def __init__(self, d: int, classes: int, count: bool = False, assign: bool = False) -> None:
+        super().__init__()
+        self.reduction = "mean"
+        self.weight = nn.Parameter(torch.randn(classes, d, dtype=torch.float64))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.float64))
+        self.count, self.assign = count, assign
+
+    def forward(self, emb, target):
+        if self.count:
+            self.seen += target.numel()
+        if self.assign:
+            self.seen = self.seen + target.numel()
+        logits = nn.functional.normalize(emb) @ nn.functional.normalize(self.weight).T * 8
+        return nn.functional.cross_entropy(logits, target, reduction=self.reduction)
+
+
+def test_a_criterion_that_learns_or_keeps_state_is_refused_not_left_behind(wrap):
+    """The workers compute the loss with copies of it. A loss with parameters that train (ArcFace's
+    classifier) used to get no gradient at all, and a loss whose forward updates its own tensors used to
+    update the copies only, which drifted apart: both silently. The first is refused at the call, the
+    second on the workers; a frozen loss, or one under no_grad, still runs there and equals one process."""
+    torch.manual_seed(0)
+    net = models.MLP(d_in=6, d_out=4).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * 2, gather=False)
+    x, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 5, (7,))
+    loss_fn = _MarginLoss(4, 5)
+    with pytest.raises(dpool.UnsupportedError, match=r"_MarginLoss\): the loss has parameters that require grad "
+                                                    r"\(weight\).*out\.gather\(\).*requires_grad_\(False\)"):
+        dpool.criterion(loss_fn)(model(x), y)
+    # the gathered output, as the error advises: the loss's own parameters train as in one process
+    rloss_fn = copy.deepcopy(loss_fn)
+    loss, rloss = loss_fn(model(x).gather(), y), rloss_fn(ref(x), y)
+    loss.backward()
+    rloss.backward()
+    torch.testing.assert_close(loss_fn.weight.grad, rloss_fn.weight.grad)
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+    loss_fn.weight.grad = rloss_fn.weight.grad = None
+    net.zero_grad(), ref.zero_grad()
+    loss_fn.requires_grad_(False)  # frozen: computed on the workers
+    loss = dpool.criterion(loss_fn)(model(x), y)
+    rloss = loss_fn(ref(x), y)
+    torch.testing.assert_close(loss, rloss)
+    loss.backward()
+    rloss.backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+    loss_fn.requires_grad_(True)
+    with torch.no_grad():  # evaluation: nothing to train
+        torch.testing.assert_close(dpool.criterion(loss_fn)(model(x), y), loss_fn(ref(x), y))
+
+    for how in ("count", "assign"):
+        counting = _MarginLoss(4, 5, **{how: True}).requires_grad_(False)
+        with pytest.raises(ValueError, match=rf"_MarginLoss\): the loss's forward changed its tensor 'seen' "
+                                             rf"\({'in place' if how == 'count' else 'assigned anew'}\)") as info:
+            dpool.criterion(counting)(model(x), y)
+        assert info.value.worker in (0, 1) and counting.seen.item() == 0
+    torch.testing.assert_close(model(x).gather(), ref(x))  # the pool goes on, the master untouched
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+
+
 @pytest.mark.parametrize("change", ["label_smoothing", "weight_in_place", "weight_data", "weight_replaced", "reduction"])
 def test_a_criterion_changed_after_it_was_made_is_followed(wrap, change):
     """Users schedule their loss (label smoothing warm-up, class weights re-balanced each epoch): the
