@@ -144,6 +144,7 @@ class Runtime:
         self._sent_numerics: tuple | None = None
         self._resyncs, self._resynced_at = 0, -1  # re-syncs on consecutive forwards, the forward of the latest
         self._warned_global_hooks = False
+        self._warned_attributes: set[str] = set()
         if attach is not None and max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         # Where the coordinator has no core of its own, rounds of several shards ask the workers to reply
@@ -308,6 +309,21 @@ class Runtime:
                 "dpool's workers, so they do not see or change the replicas' forward and backward. Register "
                 "the hook on the model's modules instead (module.register_forward_hook(...)): those travel "
                 "with the model.", stacklevel=_user_stacklevel())
+
+    def _warn_attributes(self, names: set[str]) -> None:
+        """Say once per attribute that a forward set it to a tensor that requires grad on the workers only
+        (see ``workers/attributes.py``): a loss term read from the master's module afterwards is stale."""
+        new = sorted(names - self._warned_attributes)
+        if new:
+            self._warned_attributes.update(new)
+            shown = ", ".join(map(repr, new))
+            warnings.warn(
+                f"dpool: the forward set the attribute{'s' * (len(new) > 1)} {shown} of model.module to a tensor "
+                f"that requires grad on the workers' replicas only. "
+                f"This process's module keeps its old value (nn.DataParallel's replicas lose such values too), "
+                f"so a loss term read from it after the call is stale and does not train. Return the value from "
+                f"forward() instead (in a tuple or dict with the output): it is then gathered like the output.",
+                stacklevel=_user_stacklevel())
 
     def _replica_arena(self, i: int) -> Any:
         """A GPU copy of the master arena for worker ``i`` (not on the master's GPU); refreshed each forward."""
@@ -692,6 +708,8 @@ class Runtime:
             log.debug("step %d: forward of %d shards (rows %s), workers busy %s ms", pool.step, k, rows,
                       [round(replies[s].busy * 1e3, 2) for s in range(k)])
         self.balancer.observe(0, [replies[s].busy for s in range(k)], rows)
+        if any(replies[s].attributes for s in range(k)):
+            self._warn_attributes({n for s in range(k) for n in replies[s].attributes})
         # Commit: every shard succeeded, so buffer updates may reach the master (see buffers.py).
         if any(replies[s].rebound for s in range(k)):
             self._commit_rebound([s for s in range(k) if replies[s].rebound])

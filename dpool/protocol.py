@@ -95,7 +95,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 10  # 10: backward_done and criterion_done list the buffers the backward updated in place;
+PROTOCOL_VERSION = 11  # 11: forward_done names the attributes the forward set to tensors requiring grad
+# 10: backward_done and criterion_done list the buffers the backward updated in place;
 # forward_done lists the parameters whose .data the forward replaced
 # 9: forward_done and backward_done carry when the worker's handler started;
 # forward, backward and criterion may ask the shards to reply together
@@ -338,7 +339,7 @@ class Forward(Message):
 
 
 @_message("forward_done", call=_INT, tree=(object,), tensors=_METAS, need=_INT, stats=_LIST, busy=(float,),
-          started=(float,), rebound=_LIST)
+          started=(float,), rebound=_LIST, attributes=_LIST)
 class ForwardDone(Message):
     """The replica's output structure; ``need > 0`` means the outputs segment was too small.
 
@@ -349,6 +350,9 @@ class ForwardDone(Message):
     ``rebound``: the parameters whose ``.data`` the forward replaced (a max-norm constraint written
     ``self.weight.data = torch.renorm(...)``); the worker keeps their new values for
     :func:`dpool.replicate.take_rebound`, which the coordinator then calls to commit them.
+    ``attributes``: the model's attributes (qualified names) the forward set to a new tensor that requires
+    grad, which the master's modules never get (see ``workers/attributes.py``); looked for at the first
+    forwards only.
     """
 
     call: int
@@ -359,6 +363,7 @@ class ForwardDone(Message):
     busy: float
     started: float
     rebound: list = field(default_factory=list)
+    attributes: list = field(default_factory=list)
 
 
 @_message("fetch", call=_INT, outputs=_LIST)

@@ -1703,3 +1703,69 @@ def test_requires_grad_changed_between_forward_and_backward_follows_one_process(
             assert (p.grad is None) == (r.grad is None), (case, name)
             if r.grad is not None:
                 torch.testing.assert_close(p.grad, r.grad, msg=f"{case}: {name}")
+
+
+class _StoresKL(nn.Module):
+    """A Bayesian layer as blitz writes it: the forward keeps its KL term on the module, and the training
+    loop reads it after the call. Also a style-transfer loss's `self.loss` (set by the forward only) and a
+    cache that does not require grad."""
+
+    def __init__(self, returns: bool = False) -> None:
+        super().__init__()
+        self.mu = nn.Parameter(torch.randn(3, 6, dtype=torch.float64))
+        self.rho = nn.Parameter(torch.full((3, 6), -3.0, dtype=torch.float64))
+        self.kl = torch.zeros((), dtype=torch.float64)
+        self.cache = None
+        self.returns = returns
+
+    def forward(self, x):
+        w = self.mu + F.softplus(self.rho)
+        kl = 0.01 * w.pow(2).sum()
+        self.cache = w.detach()
+        if self.returns:
+            return x @ w.T, kl
+        self.kl = kl
+        self.loss = kl * 2
+        return x @ w.T
+
+
+def test_a_tensor_the_forward_keeps_on_the_model_for_the_loss_is_warned_about(wrap):
+    """The forward sets `self.kl` on the workers' replicas, and the master's `net[0].kl` stays what it
+    was: a loop adding it to the loss trained without the term, silently (nn.DataParallel's replicas lose
+    it too). dpool now warns, once, at the user's line; returning the value from forward, as the warning
+    advises, trains as one process does."""
+    import warnings
+
+    torch.manual_seed(0)
+    # torch's hook-based weight norm and pruning recompute `weight` before each forward: not warned about
+    from torch.nn.utils import prune
+
+    pruned = prune.l1_unstructured(nn.Linear(3, 3, dtype=torch.float64), "weight", 0.5)
+    net = nn.Sequential(_StoresKL(), nn.utils.weight_norm(nn.Linear(3, 3, dtype=torch.float64)), pruned)
+    model = wrap(net)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"the forward set the attribute '0\.kl' of model\.module to a tensor "
+                                         r"that requires grad.*Return the value from forward\(\)") as got:
+        model(x)
+    assert [w.filename for w in got if "attribute" in str(w.message)] == [__file__]
+    assert not net[0].kl.requires_grad and not hasattr(net[0], "loss")  # the master's: stale, or loud
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)  # once
+        with torch.no_grad():
+            model(x)
+
+    # the advice: the term returned from forward (one copy per shard, gathered like any 0-dim output)
+    torch.manual_seed(0)
+    net = nn.Sequential(_StoresKL(returns=True))
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "Was asked to gather along dimension 0")
+        out, kl = model(x)
+    rout, rkl = ref(x)
+    (out.pow(2).mean() + kl.mean()).backward()
+    (rout.pow(2).mean() + rkl).backward()
+    for p, r in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad)

@@ -49,6 +49,7 @@ from dpool.transport.shm import Mapped
 from dpool.replicate import REBOUND
 from dpool.sync_batchnorm import _set_collective
 from .assigned import AssignedBuffers
+from .attributes import AttributeWatch
 from .libraries import prepare
 from .randomness import Streams
 
@@ -165,6 +166,7 @@ class Replica:
         self.model: torch.nn.Module | None = None
         self._buffer_shapes: list[torch.Size] = []
         self._assigned: AssignedBuffers | None = None
+        self._watch: AttributeWatch | None = None
         self.streams: Streams | None = None
         self.known: set[str] = set()
         self.segs: dict[str, Mapped] = {}
@@ -311,6 +313,7 @@ class Replica:
         self.modules = list(model.modules())
         self.model = model
         self._assigned = AssignedBuffers(model, self.buffer_views, viewed)
+        self._watch = AttributeWatch(model)
         self._bn_counts: list[int] = []
         if msg.options.get("bn_counts"):
             bns = [m for m in self.modules
@@ -482,6 +485,7 @@ class Replica:
             self._refuse_renorm(msg.world)
         sentinel = self._sentinel if msg.world > 1 else None  # (one shard changes the master once: fine)
         before = sentinel.read() if sentinel is not None else None
+        watched = self._watch is not None and self._watch.start(msg.grad)
         self._enter_collective(msg.world)
         try:
             with torch.set_grad_enabled(msg.grad):
@@ -499,6 +503,7 @@ class Replica:
             sentinel.check(before, self._param_names, msg.world)
         if self._buffer_shapes and list(map(_size, self.buffer_views)) != self._buffer_shapes:
             self._refuse_resized_buffer()
+        attributes = self._watch.assigned() if watched and self._watch is not None else []
         self.stage = f"returning outputs of shard {msg.shard}"
         outs: list[torch.Tensor] = []
         spec = _tree.flatten(out, outs, output=True)
@@ -512,12 +517,13 @@ class Replica:
         if placer.offset > msg.outputs[1]:
             self.unfetched[msg.call] = (outs, msg.grad)
             return P.ForwardDone(msg.call, spec, [], placer.offset, list(self._bn_counts), time.monotonic() - t0, t0,
-                                 rebound)
+                                 rebound, attributes)
         out_seg = self.segs["out"]
         metas = [Placer.write(out_seg.views, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
         self.stage = "idle"
         self._sync()
-        return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.monotonic() - t0, t0, rebound)
+        return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.monotonic() - t0, t0, rebound,
+                             attributes)
 
     def fetch(self, msg: P.Fetch) -> P.Message:
         if msg.call in self.unfetched:
