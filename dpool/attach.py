@@ -25,7 +25,7 @@ import secrets
 import select
 import signal
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -105,6 +105,21 @@ class Lease(Launcher):
             request(self.name, P.Detach(os.getpid()), timeout=2.0)
         except Exception:
             pass  # the daemon is gone, or will notice our exit through our pidfd
+        if self.daemon_fd is not None:
+            os.close(self.daemon_fd)
+            self.daemon_fd = None
+
+    def abandon(self, chan: Any, workers: Sequence[Worker]) -> None:
+        """:meth:`end` for a pool nobody closed: the workers told to drop our replica, the lease freed. A
+        lease kept until this process exits would refuse the next ``wrap()`` (a notebook cell run again)."""
+        for w in workers:
+            if w.alive and w.ident:
+                chan.try_send(P.Shutdown(), w.ident)
+            w.alive = False
+        try:
+            request(self.name, P.Detach(os.getpid()), timeout=2.0)
+        except Exception:
+            pass
         if self.daemon_fd is not None:
             os.close(self.daemon_fd)
             self.daemon_fd = None

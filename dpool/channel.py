@@ -177,6 +177,8 @@ class Channel:
     def closed(self) -> bool:
         return bool(self.sock.closed)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket; ``linger_ms``: how long the context's ``term()`` may then spend delivering
+        messages still queued (0: dropped)."""
         if not self.sock.closed:
-            self.sock.close(linger=0)
+            self.sock.close(linger=linger_ms)

@@ -157,7 +157,8 @@ class Runtime:
         self.pool.spin_s = spin
         if nodes is not None:  # SyncBatchNorm's statistics span every worker of every node
             self.pool.hub.across = functools.partial(nodes.all_reduce, doing="combining SyncBatchNorm statistics")
-        self.io = IORegions(self.n, lambda w, size: self.pool.new_segment(size, device=self.devices[w], owner=w))
+        pool, devices = self.pool, self.devices  # (not self: a runtime in no cycle goes with its last reference)
+        self.io = IORegions(self.n, lambda w, size: pool.new_segment(size, device=devices[w], owner=w))
         try:
             self._start()
         except BaseException:

@@ -377,6 +377,10 @@ class Launcher:
         """Kill a worker whose stacks were just dumped (hung or past its deadline)."""
         raise NotImplementedError
 
+    def abandon(self, chan: Any, workers: Sequence[Worker]) -> None:
+        """End the workers' service to a pool nobody closed, now garbage or at exit (no pool to use: only its
+        channel and workers). Our own workers are then killed; nothing to do before that."""
+
     def death(self, pool: "Pool", w: Worker, stage: str, others: Sequence[Worker], detail: str) -> DpoolError:
         """The error that reports ``w``'s death (and ``others``', found dead at the same time)."""
         raise NotImplementedError

@@ -24,10 +24,17 @@ asks its launcher to end them: :class:`~dpool.launch.Spawn` sends ``shutdown``
 to each worker, waits ``shutdown_timeout_s`` on them, then SIGKILLs the rest
 and reaps them; :class:`~dpool.attach.Lease` tells a daemon's workers to drop
 our replica and gives the lease back. ``close()`` returns only when every
-worker has been joined (or handed back). It is idempotent, registered with ``atexit`` (through
-a weakref, so an unreferenced pool is closed by the GC too) and safe to call
+worker has been joined (or handed back). It is idempotent and safe to call
 from another thread: it kills the workers first, which wakes a waiting round,
 and only touches the socket when no round is running.
+
+*A pool nobody closed* (a model dropped, a notebook cell run again) is reaped by a
+``weakref.finalize`` (:func:`_reap`), when the pool is garbage and at interpreter exit:
+names unlinked, a daemon's workers told to drop our replica and the lease freed
+(:meth:`~dpool.launch.Launcher.abandon`), our own workers killed, their pidfds closed; a
+segment's kept fd closes with the segment. The finalizer's arguments must never lead
+back to the pool, or the pool is never garbage: the channel's reject callback holds it
+weakly, and the runtime's segment factory holds the pool, not the runtime.
 
 *Why no step blocks forever.* Every wait in :meth:`Pool.request` is a
 ``zmq.Poller`` poll on the socket *and* every worker's pidfd, with a timeout:
@@ -81,6 +88,7 @@ vanished or stalled worker into an error instead of a silent drop.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -116,6 +124,14 @@ log = logging.getLogger("dpool")
 # spinning; longer ones by sleeping in the poll (NOTE [ spinning through short rounds ]).
 SPIN_ROUNDS_UP_TO_S = 1e-3
 
+
+
+def _rejected(pool_ref: Callable[[], Pool | None], peer: bytes, exc: ProtocolError) -> None:
+    """A control message dropped unread. Never decoded further and never answered: a foreign or corrupted
+    message must not be able to break the pool. Counted by the channel, and reported the first few times."""
+    pool = pool_ref()
+    if pool is not None and pool.chan.rejected <= 3:
+        warnings.warn(f"dpool dropped a control message from {peer!r}: {exc}", RuntimeWarning, stacklevel=4)
 
 class Pool:
     """N long-lived worker processes, and the rounds of messages exchanged with them.
@@ -170,8 +186,10 @@ class Pool:
         self.workers = [Worker(i, d) for i, d in enumerate(self.devices)]
         self._by_ident: dict[bytes, int] = {}  # routing identity → worker index (checked against workers)
         self._ctx = zmq.Context()
+        # (the channel is among the finalizer's arguments below, so what it holds must not hold the pool:
+        # a bound method here kept every dropped pool, and its workers, alive until the interpreter exited)
         self.chan = Channel(self._ctx, True, self.key, config.max_message_bytes, send_timeout_ms=5000,
-                            on_reject=self._rejected)
+                            on_reject=functools.partial(_rejected, weakref.ref(self)))
         rdir = runtime_dir()
         sweep_sockets(rdir)  # socket files of coordinators that died without cleaning up
         self.sock_path = os.path.join(rdir, self.prefix + ".sock")
@@ -180,7 +198,7 @@ class Pool:
         self.inherited_fds: list[int] = []  # what spawned workers inherit: the control segment, the master's
         # Runs at GC of an unreferenced pool and at interpreter exit; holds no reference to self.
         self._finalizer = weakref.finalize(self, _reap, self.owner_pid, self.workers, self._segments,
-                                          self.sock_path, self.chan, self._ctx)
+                                          self.sock_path, self.chan, self._ctx, self.launcher)
         try:
             self.chan.bind(self.endpoint)
             self._poller.register(self.chan.sock, zmq.POLLIN)
@@ -205,12 +223,6 @@ class Pool:
     def rejected(self) -> int:
         """Control messages dropped by authentication or validation."""
         return self.chan.rejected
-
-    def _rejected(self, peer: bytes, exc: ProtocolError) -> None:
-        # Never decoded further and never answered: a foreign or corrupted message must not be able to
-        # break the pool. Counted, and reported the first few times.
-        if self.chan.rejected <= 3:
-            warnings.warn(f"dpool dropped a control message from {peer!r}: {exc}", RuntimeWarning, stacklevel=4)
 
     def rekey(self, key: bytes) -> None:
         """Authenticate with ``key`` from now on (a leased pool's session key)."""
@@ -449,7 +461,7 @@ class Pool:
             if idx < 0:
                 # authenticated but from no current worker (a replaced one's last words): dropped
                 self.chan.rejected += 1
-                self._rejected(ident, ProtocolError(f"message from unknown peer {ident!r}"))
+                _rejected(weakref.ref(self), ident, ProtocolError(f"message from unknown peer {ident!r}"))
                 continue
             if isinstance(msg, P.Output):  # an attached worker's prints: shown as spawned workers' are
                 show_output(f"dpool worker {idx}", msg.text, msg.stream == 2)
@@ -678,7 +690,7 @@ def _kill(w: Worker) -> None:
 
 
 def _reap(owner: int, workers: list[Worker], segments: list[Segment], sock_path: str, chan: Channel,
-          ctx: Any) -> None:  # pragma: no cover
+          ctx: Any, launcher: Launcher) -> None:  # pragma: no cover
     """GC / interpreter-exit cleanup of a pool nobody closed."""
     if os.getpid() != owner:
         return  # a forked child's exit: the workers, segments and socket belong to the parent
@@ -687,10 +699,17 @@ def _reap(owner: int, workers: list[Worker], segments: list[Segment], sock_path:
     _unlink_socket(sock_path)
     for seg in segments:
         seg.unlink()
+    launcher.abandon(chan, workers)  # a daemon's workers: told to drop our replica, and the lease freed
     for w in workers:
         _kill(w)
+        if w.pidfd is not None:  # (a pool dropped mid-run: the process goes on, and must not keep them)
+            try:
+                os.close(w.pidfd)
+            except OSError:
+                pass
+            w.pidfd = None
     if not chan.closed:  # no ResourceWarning for a pool nobody closed
-        chan.close()
+        chan.close(linger_ms=0 if launcher.spawns else 1000)  # (a daemon's workers must get the shutdown)
         ctx.term()
 
 

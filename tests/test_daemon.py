@@ -1,6 +1,7 @@
 """The dpool-workers daemon, driven through its real CLI in subprocesses."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -306,6 +307,36 @@ def test_one_client_at_a_time_and_clean_handover_after_sigkill(pool_name):
         holder.wait()
     with dpool.wrap(torch.nn.Linear(4, 4), pool=pool_name) as model:  # ready for the next script
         model(torch.randn(6, 4)).sum().backward()
+
+
+def test_a_model_dropped_without_close_gives_the_lease_back(pool_name):
+    """A notebook cell that runs `model = dpool.wrap(net, pool=...)` again drops the previous model
+    without close(). Its lease used to stay taken until the interpreter exited ("in use by pid <this
+    one>"), its workers serving a session nobody used. Now the dropped pool tells the workers to drop its
+    replica and frees the lease when it is collected, and the next wrap() attaches."""
+    import gc
+
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    ref = copy.deepcopy(net)
+    for _ in range(3):
+        model = dpool.wrap(net, pool=pool_name)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # (torch's optimizer keeps a cycle: gc is needed)
+        x = torch.randn(6, 6)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert status(pool_name)["client_pid"] == os.getpid()
+        del model, opt
+        gc.collect()
+        assert wait_for(lambda: status(pool_name)["client_pid"] is None
+                        and all(w["state"] == "idle" for w in status(pool_name)["workers"]), timeout=5)
+        ref(x).sum().backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    for p, r in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r)
 
 
 def test_memory_does_not_grow_across_attach_cycles(pool_name):

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 import warnings
+import gc
+import weakref
 
 import psutil
 import pytest
@@ -129,6 +131,43 @@ def test_wrap_close_cycles_under_ulimit_64_leave_no_fd_mapping_or_thread():
     # thread a cycle keeps shows after the 14 cycles measured here, long before the limit would be hit
     assert r["cycles"] == 24
     assert r["new_fds"] == {} and r["mappings"][0] == r["mappings"][1] and r["threads"][0] == r["threads"][1]
+
+
+def _train_and_drop(criterion: bool, optimizer: bool) -> tuple[weakref.ref, list[int]]:
+    torch.manual_seed(0)
+    m = dpool.wrap(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)), ["cpu", "cpu"],
+                   gather=not criterion)
+    opt = torch.optim.SGD(m.parameters(), 0.1) if optimizer else None
+    for _ in range(2):
+        out = m(torch.randn(8, 6))
+        loss = dpool.criterion(torch.nn.CrossEntropyLoss())(out, torch.randint(0, 3, (8,))) if criterion else out.sum()
+        loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+    return weakref.ref(m._runtime.pool), list(m.pids)
+
+
+def test_a_model_dropped_without_close_takes_its_workers_with_it():
+    """A sweep over hyperparameters, or a notebook cell run again, drops models without close(). Each
+    dropped model's pool used to stay alive until the interpreter exited, with its worker processes and
+    their memory: the pool's finalizer held the control channel, whose callback held the pool. Now the
+    pool goes with its model: by reference counting alone (no cycle through the runtime), or at the
+    garbage collector's next pass where torch's optimizer keeps the model in a cycle of its own."""
+    gc.disable()
+    try:
+        for criterion in (False, True):
+            pool, pids = _train_and_drop(criterion, optimizer=False)
+            assert pool() is None  # no collection ran: nothing kept it in a cycle
+            assert wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                            for p in pids), timeout=10)
+    finally:
+        gc.enable()
+    pools = [_train_and_drop(criterion, optimizer=True) for criterion in (False, True)]
+    gc.collect()
+    assert all(pool() is None for pool, _ in pools)
+    assert wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                    for _, pids in pools for p in pids), timeout=10)
 
 
 # ------------------------------------------------------------------------------------------ exits

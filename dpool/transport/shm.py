@@ -21,6 +21,7 @@ import errno
 import mmap
 import os
 import secrets
+import weakref
 
 import torch
 
@@ -117,8 +118,10 @@ class Segment:
             raise
         if keep_fd:
             # Inherited by workers (pass_fds), so a respawned worker can map it after the name is gone.
+            # Closed by close_fd(), or when the segment is garbage (a pool dropped without close()).
             os.set_inheritable(fd, False)
             self.fd = fd
+            self._fd_closer = weakref.finalize(self, os.close, fd)
         else:
             os.close(fd)
         self.u8 = torch.frombuffer(self.mmap, dtype=torch.uint8)
@@ -135,7 +138,7 @@ class Segment:
 
     def close_fd(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)
+            self._fd_closer()
             self.fd = None
 
     def ref(self) -> list:
