@@ -41,6 +41,7 @@ import torch.autograd.forward_ad as _fwad
 
 from . import gather as _gather, patches as _patches, scatter as _scatter, tree as _tree
 from . import protocol as P
+from .accumulate import HeldGradients, refuse_change
 from .bridge import Bridge, CallState, DoubleBridge, DoubleState, Graphs, _user_stacklevel
 from .buffers import BufferCommit
 from .config import Config
@@ -128,6 +129,7 @@ class Runtime:
         # restart and re-sync; a speculative backward's result is only used while this has not moved.
         self._slot_gen = 0
         self._workers_hold = False  # the workers may hold no_sync gradients (a backward with hold ran since)
+        self._held = HeldGradients(lambda: self.master.param_names)  # what the loop did to them (accumulate.py)
         self._sent_requires_grad = b""
         self.buffer_policy = buffers
         self._rank0_buffers: torch.Tensor | None = None  # cross-node, buffers="first": staging for the broadcast
@@ -243,6 +245,9 @@ class Runtime:
             master.snapshot()
             return  # (a train()/eval() switch: every forward sends the modes)
         what = ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
+        if self._workers_hold:
+            master.changed = True  # (and again at the next forward, until the change is undone)
+            raise refuse_change(what or "the model's parameters, buffers or submodules")
         log.info("the model changed after wrap() (%s): re-syncing the replicas",
                  what or "its parameters, buffers or submodules")
         started = time.perf_counter()
@@ -915,6 +920,7 @@ class Runtime:
         pool = self.pool
         msgs: dict[int, P.Message] = {}
         flags = bytes(p.requires_grad for p in self.params)  # accumulate as one process would now
+        drop = self._held.cleared(self.params) if self._workers_hold else b""  # (zero_grad() since: dropped)
         together = pool.together(k)
         for s in range(k):
             mine = per_shard[s]
@@ -925,7 +931,7 @@ class Runtime:
             gin = self.io.ensure(s, "gin", gin_sizes[s])
             sparse = self.io.segment(s, "sparse")
             msgs[s] = P.Backward(call, pool.step, seg.ref(), gmetas, gin.ref(), hold,
-                                 sparse.ref() if sparse is not None else [None, 0], keep, flags, together)
+                                 sparse.ref() if sparse is not None else [None, 0], keep, flags, together, drop)
         self._slot_gen += 1  # the slots are written from here on, whatever the outcome
         if hold:
             self._workers_hold = True
@@ -956,9 +962,11 @@ class Runtime:
         # Reduce: the workers' gradient slots, one sum per dtype group (averaged over the nodes in
         # cross-node mode); then sparse gradients. Under no_sync() the gradients stay on the workers.
         if hold:
+            self._held.mark(self.module, self.params, flags)
             self._commit_backward_buffers(changed, k, rows)
             return [None] * len(self.params), replies
         self._workers_hold = False
+        self._held.release(self.params)
         param_grads = self.reducer.reduce(slots, [replies[s].param_mask for s in range(k)], at,
                                           any(replies[s].late for s in range(k)))
         self._commit_backward_buffers(changed, k, rows)  # (after the reduce, which may fail across nodes)
@@ -1048,6 +1056,7 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        self._held.release(self.params)
         self.master.close()
         self.pool.close()
         if self.nodes is not None:

@@ -204,7 +204,11 @@ class DataParallel(nn.DataParallel):
         worker; the first backward after leaving it transfers the accumulated
         sum once, as ``DistributedDataParallel.no_sync`` does. Input gradients
         are returned as usual. The master's ``.grad`` is only updated by that
-        first backward outside the context.
+        first backward outside the context; until then each parameter with a
+        held gradient has a zero ``.grad`` there. As with DDP, whose ``.grad``
+        holds them, ``zero_grad()`` in between drops the held gradients, and an
+        optimizer step over them raises ``UnsupportedError`` (see
+        ``dpool/accumulate.py``).
         """
         rt = self._runtime
         if rt is None:

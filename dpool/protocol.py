@@ -95,7 +95,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 11  # 11: forward_done names the attributes the forward set to tensors requiring grad
+PROTOCOL_VERSION = 11  # 11: forward_done names the attributes the forward set to tensors requiring grad;
+# backward may drop gradients the worker holds (zero_grad() during no_sync())
 # 10: backward_done and criterion_done list the buffers the backward updated in place;
 # forward_done lists the parameters whose .data the forward replaced
 # 9: forward_done and backward_done carry when the worker's handler started;
@@ -383,7 +384,7 @@ class FetchDone(Message):
 
 
 @_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_METAS, input_grads=_LIST, hold=_BOOL,
-          sparse=_LIST, keep_as=_INT, requires_grad=_BYTES, together=_LIST)
+          sparse=_LIST, keep_as=_INT, requires_grad=_BYTES, together=_LIST, drop=_BYTES)
 class Backward(Message):
     """Backpropagate ``grad_tensors`` (metas in ``grads``, ``None`` for no gradient) through ``call``.
 
@@ -396,7 +397,9 @@ class Backward(Message):
     ``requires_grad``: one byte per parameter, the master's flags when the backward was called; the
     worker backpropagates with those (as one process accumulates only into parameters that require
     grad at backward time) and puts back its own, those of the latest forward, afterwards.
-    ``together``: as :class:`Forward`'s.
+    ``together``: as :class:`Forward`'s. ``drop``: one byte per parameter (or empty), 1 where the worker
+    drops the gradient it holds from earlier ``hold`` backwards first: the training loop cleared the
+    master's (``zero_grad()`` during ``no_sync()``; see ``dpool.accumulate``).
     """
 
     call: int
@@ -409,6 +412,7 @@ class Backward(Message):
     keep_as: int
     requires_grad: bytes
     together: list
+    drop: bytes = b""
 
 
 @_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_METAS, busy=(float,), sparse=_LIST,

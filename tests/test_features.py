@@ -171,7 +171,7 @@ def test_no_sync_transfers_once_and_equals_plain_accumulation(wrap):
     with model.no_sync():
         for x in xs[:2]:
             model(x).pow(2).sum().backward()
-        assert all(p.grad is None for p in net.parameters())  # nothing transferred yet
+        assert not any(p.grad.any() for p in net.parameters())  # nothing transferred yet: zero markers
     model(xs[2]).pow(2).sum().backward()  # the step that leaves the context transfers the sum
     for x in xs:
         ref(x).pow(2).sum().backward()
@@ -186,6 +186,75 @@ def test_no_sync_transfers_once_and_equals_plain_accumulation(wrap):
     ref(xs[0]).sum().backward()
     for p, rp in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, rp.grad)
+
+
+def test_no_sync_gradients_are_dropped_by_zero_grad_and_never_stepped_without(wrap):
+    """DistributedDataParallel accumulates no_sync() gradients in .grad, so a loop written for it drops
+    them with zero_grad() (at an epoch's start, after a skipped batch). dpool holds them on the workers,
+    where zero_grad() did not reach: they were added to the next synchronized backward, silently. Now
+    the master's .grad has a zero marker while they are held; clearing it drops them, changing it
+    otherwise is an error, a step over them is an error, and so is shipping a changed model meanwhile."""
+    torch.manual_seed(0)
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    xs = [torch.randn(7, 12, dtype=torch.float64) for _ in range(3)]
+
+    def ref_grads(*batches):
+        ref.zero_grad()
+        for x in batches:
+            ref(x).pow(2).sum().backward()
+        return [p.grad for p in ref.parameters()]
+
+    for clear in ("zero_grad", "zero_grad(set_to_none=False)", "grad = None"):
+        with model.no_sync():
+            model(xs[0]).pow(2).sum().backward()
+        if clear == "zero_grad":
+            opt.zero_grad()
+        elif clear == "zero_grad(set_to_none=False)":
+            opt.zero_grad(set_to_none=False)
+        else:
+            for p in net.parameters():
+                p.grad = None
+        with model.no_sync():
+            model(xs[1]).pow(2).sum().backward()
+        model(xs[2]).pow(2).sum().backward()
+        for p, want in zip(net.parameters(), ref_grads(xs[1], xs[2])):
+            torch.testing.assert_close(p.grad, want, msg=lambda m: f"{clear}: {m}")
+        opt.zero_grad()
+
+    before = [p.detach().clone() for p in net.parameters()]
+    with model.no_sync():
+        model(xs[0]).pow(2).sum().backward()
+    n = len(list(net.parameters()))
+    with pytest.raises(dpool.UnsupportedError, match=rf"SGD\.step\(\) over {n} parameter\(s\) whose gradients "
+                                                    r"model\.no_sync\(\) still holds"):
+        opt.step()
+    net.net[0].inplace_flag = True  # a change that would ship the model again
+    with pytest.raises(dpool.UnsupportedError, match=r"changed after dpool\.wrap\(\) while model\.no_sync\(\) holds"):
+        model(xs[1])
+    del net.net[0].inplace_flag
+    model(xs[1]).pow(2).sum().backward()  # leaves the accumulation: the held gradients count
+    for p, want in zip(net.parameters(), ref_grads(xs[0], xs[1])):
+        torch.testing.assert_close(p.grad, want)
+    opt.step()  # fine now
+    for p, b, r in zip(net.parameters(), before, ref_grads(xs[0], xs[1])):
+        torch.testing.assert_close(p, b - 0.1 * r)
+
+    opt.zero_grad()
+    with torch.no_grad():
+        for r, p in zip(ref.parameters(), net.parameters()):
+            r.copy_(p)
+    with model.no_sync():
+        model(xs[0]).pow(2).sum().backward()
+    net.net[0].weight.grad.add_(1.0)  # a change the held part cannot follow
+    with pytest.raises(dpool.UnsupportedError, match=r"gradient of parameter 'net\.0\.weight' was changed"):
+        model(xs[1]).pow(2).sum().backward()
+    opt.zero_grad()  # dropped, as with DDP
+    model(xs[2]).pow(2).sum().backward()
+    for p, want in zip(net.parameters(), ref_grads(xs[2])):
+        torch.testing.assert_close(p.grad, want)
 
 
 class BNNet(nn.Module):

@@ -554,6 +554,11 @@ class Replica:
             if meta is not None and t is not None and t.requires_grad:
                 roots.append(t)
                 grads.append(read(gseg.views, meta))
+        if msg.drop and self._holding:  # the loop cleared the master's gradients during no_sync()
+            for i, flag in enumerate(msg.drop):
+                if flag:
+                    self.params[i].grad = None
+                    self._written[i] = 0
         versions = self._buffer_versions()
         own = self._backward_flags(msg.requires_grad)
         try:

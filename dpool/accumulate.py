@@ -1,0 +1,136 @@
+"""Gradients that ``no_sync()`` holds on the workers, as the training loop sees them on the master.
+
+Under ``model.no_sync()`` each worker accumulates its parameter gradients itself, and the master's
+``.grad`` is updated by the first backward outside the context, once. ``DistributedDataParallel``
+accumulates in each rank's ``.grad`` instead, so a loop written for it acts on those gradients: it
+drops them with ``optimizer.zero_grad()`` (at an epoch's start, after a skipped batch), and an
+``optimizer.step()`` in between would use them. Gradients held on the workers are out of reach of
+both, and were silently added to the next synchronized backward after a ``zero_grad()``. So:
+
+* After each held backward, every parameter that takes a gradient has a ``.grad`` on the master: a
+  zero tensor (its *marker*) if it had none. The next backward sees what became of it: still that
+  tensor, unchanged: the held gradients count, added to it; set to ``None`` or zeroed: the workers
+  drop that parameter's held gradient first, as ``zero_grad()`` drops DDP's; changed otherwise
+  (scaled, clipped): an error, since the held part cannot be changed alike.
+* ``optimizer.step()`` over a parameter with a held gradient raises (a global optimizer pre-hook,
+  registered at the first held backward) instead of stepping without it.
+* Sparse gradients (``nn.Embedding(sparse=True)``) get no marker (a dense zero would make their sum
+  dense): clearing theirs is not seen.
+
+A model changed after ``wrap()`` cannot be shipped to the workers while they hold gradients (the new
+replicas would start without them): :func:`refuse_change` says so.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .errors import UnsupportedError
+
+__all__ = ["HeldGradients", "refuse_change"]
+
+_holding: weakref.WeakSet[HeldGradients] = weakref.WeakSet()
+_hooked = False
+
+
+class HeldGradients:
+    """The markers of the master's parameters while the workers hold ``no_sync()`` gradients.
+
+    Args:
+        names: the master's parameter names, by index (for errors).
+    """
+
+    def __init__(self, names: Callable[[], Sequence[str]]) -> None:
+        self._names = names
+        self._marks: list[tuple[weakref.ref, int, bool] | None] | None = None  # (marker, version, made by us)
+        self._ids: set[int] = set()
+
+    @property
+    def held(self) -> bool:
+        return self._marks is not None
+
+    def mark(self, module: torch.nn.Module, params: Sequence[torch.Tensor], flags: bytes) -> None:
+        """After a held backward: each parameter that took a gradient now, or before, gets its marker."""
+        global _hooked
+        sparse = {id(m.weight) for m in module.modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+        old = self._marks or [None] * len(params)
+        marks: list[tuple[weakref.ref, int, bool] | None] = []
+        for p, flag, before in zip(params, flags, old):
+            if not (flag or before is not None) or id(p) in sparse:
+                marks.append(None)
+                continue
+            g = p.grad
+            made = g is None or (before is not None and before[2] and before[0]() is g)
+            if g is None:
+                g = p.grad = torch.zeros_like(p)
+            marks.append((weakref.ref(g), g._version, made))
+        self._marks = marks
+        self._ids = {id(p) for p, m in zip(params, marks) if m is not None}
+        _holding.add(self)
+        if not _hooked:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            register_optimizer_step_pre_hook(_refuse_step)
+            _hooked = True
+
+    def cleared(self, params: Sequence[torch.Tensor]) -> bytes:
+        """Before a backward while the workers hold: one byte per parameter, 1 where the loop cleared the
+        master's ``.grad`` since (the workers drop their held gradient of it); ``b""`` if none was."""
+        if self._marks is None:
+            return b""
+        drop = bytearray(len(params))
+        for i, (p, mark) in enumerate(zip(params, self._marks)):
+            if mark is None:
+                continue
+            g = p.grad
+            if g is None:
+                drop[i] = 1
+                continue
+            if g._version == mark[1] and mark[0]() is g:
+                continue
+            if not g.any():
+                drop[i] = 1
+                continue
+            name = self._names()[i]
+            raise UnsupportedError(
+                f"the gradient of parameter {name!r} was changed (not cleared) while model.no_sync() held its "
+                f"accumulated part on dpool's workers, which cannot be changed alike. Change gradients (clip, "
+                f"scale) after the backward outside no_sync(), which brings them all to .grad; zero_grad() "
+                f"in between is fine (it drops the held part, as with DistributedDataParallel).")
+        return bytes(drop) if any(drop) else b""
+
+    def release(self, params: Sequence[torch.Tensor]) -> None:
+        """The held gradients are about to reach the master (a backward outside ``no_sync()``), or the pool
+        closed. A marker made where ``.grad`` was ``None`` goes back to ``None`` (autograd then sets the
+        gradient, if any: a parameter that gets none keeps ``None``, as in one process, which optimizers
+        skip)."""
+        for p, mark in zip(params, self._marks or ()):
+            g = p.grad
+            if mark is not None and mark[2] and g is not None and g._version == mark[1] and mark[0]() is g:
+                p.grad = None
+        self._marks = None
+        self._ids = set()
+        _holding.discard(self)
+
+
+def refuse_change(what: str) -> UnsupportedError:
+    """The error for a model changed after ``wrap()`` while the workers hold ``no_sync()`` gradients."""
+    return UnsupportedError(
+        f"{what} changed after dpool.wrap() while model.no_sync() holds accumulated gradients on the workers: "
+        f"shipping the changed model to them would drop those gradients. Finish the accumulation first (a "
+        f"backward outside no_sync()), then change the model; or pass a value that changes during "
+        f"accumulation as an argument of forward().")
+
+
+def _refuse_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A global optimizer pre-hook: no step over parameters whose gradients the workers still hold."""
+    for held in list(_holding):
+        n = sum(id(p) in held._ids for group in optimizer.param_groups for p in group["params"])
+        if n:
+            raise UnsupportedError(
+                f"{type(optimizer).__name__}.step() over {n} parameter(s) whose gradients model.no_sync() still "
+                f"holds on dpool's workers: they are not in .grad yet, and the step would go without them. Run "
+                f"the last micro-batch's backward outside no_sync(), which brings them to .grad, then step.")
