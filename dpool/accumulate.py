@@ -47,10 +47,6 @@ class HeldGradients:
         self._marks: list[tuple[weakref.ref, int, bool] | None] | None = None  # (marker, version, made by us)
         self._ids: set[int] = set()
 
-    @property
-    def held(self) -> bool:
-        return self._marks is not None
-
     def mark(self, module: torch.nn.Module, params: Sequence[torch.Tensor], flags: bytes) -> None:
         """After a held backward: each parameter that took a gradient now, or before, gets its marker."""
         global _hooked

@@ -326,7 +326,8 @@ def split_loss(loss_fn: Any, out: Any, args: tuple,
     computed (the denominator is its size, or a sum), it has a value per sample or element and sums to the
     ``"sum"`` loss. Otherwise it raises ``ValueError`` instead of returning a loss that is not the batch's:
     a forward that ignores ``self.reduction`` gives a mean of the shards' means; ``CTCLoss``'s mean divides
-    by target lengths.
+    by target lengths. A loss whose forward changes its own parameters or buffers (in place or by assigning
+    a new tensor) raises ``ValueError`` too: the change would stay in this worker's copy.
     """
     reduction = getattr(loss_fn, "reduction", None)
     if reduction not in ("mean", "sum"):
@@ -335,11 +336,11 @@ def split_loss(loss_fn: Any, out: Any, args: tuple,
     versions = [t._version for _, _, t in own]
     total, denom = _split(loss_fn, reduction, out, args, cache)
     for (mod, key, t), v in zip(own, versions):
-        if _held(mod, key) is not t or t._version != v:
+        if _tensor_at(mod, key) is not t or t._version != v:
             name = type(loss_fn).__name__
             raise ValueError(
                 f"dpool.criterion({name}): the loss's forward changed its tensor {key!r} "
-                f"({'in place' if _held(mod, key) is t else 'assigned anew'}). The workers compute the loss with "
+                f"({'in place' if _tensor_at(mod, key) is t else 'assigned anew'}). The workers compute the loss with "
                 f"copies of it (and once more on the shards where they check it), so such a change would never "
                 f"reach {name} itself, and the copies would drift apart. Keep that state outside the loss, or "
                 f"compute this loss on the gathered output: loss_fn(out.gather(), target).")
@@ -354,7 +355,7 @@ def _own_tensors(loss_fn: Any) -> list[tuple[Any, str, torch.Tensor]]:
             if t is not None]
 
 
-def _held(mod: torch.nn.Module, key: str) -> Any:
+def _tensor_at(mod: torch.nn.Module, key: str) -> Any:
     return mod._parameters.get(key, mod._buffers.get(key))
 
 

@@ -367,6 +367,15 @@ def test_sync_batchnorm_failure_on_one_shard_does_not_hang(wrap):
     model(torch.randn(8, 3)).sum().backward()  # the pool is fine afterwards
 
 
+def _same_loss_and_gradients(loss: torch.Tensor, rloss: torch.Tensor, net: nn.Module, ref: nn.Module) -> None:
+    """The loss equals the reference's, and so do the gradients its backward gives the parameters."""
+    torch.testing.assert_close(loss, rloss)
+    loss.backward()
+    rloss.backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+
+
 @pytest.mark.parametrize("loss_fn", [
     nn.CrossEntropyLoss(),
     nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0, 0.5, 2.0], dtype=torch.float64), ignore_index=2),
@@ -386,13 +395,7 @@ def test_loss_on_the_workers_equals_full_batch(wrap, loss_fn):
         y = torch.randint(0, 4, (10,)) if not isinstance(loss_fn, nn.MSELoss) else torch.randn(10, 4, dtype=torch.float64)
         out = model(x)
         assert isinstance(out, dpool.ShardedOutput) and out.shard_sizes == [4, 3, 3]
-        loss = crit(out, y)
-        rloss = loss_fn(ref(x), y)
-        torch.testing.assert_close(loss, rloss)
-        loss.backward()
-        rloss.backward()
-        for p, rp in zip(net.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, rp.grad)
+        _same_loss_and_gradients(crit(out, y), loss_fn(ref(x), y), net, ref)
         opt.step()
         ropt.step()
         opt.zero_grad()
@@ -563,13 +566,7 @@ def test_a_criterion_that_learns_or_keeps_state_is_refused_not_left_behind(wrap)
     loss_fn.weight.grad = rloss_fn.weight.grad = None
     net.zero_grad(), ref.zero_grad()
     loss_fn.requires_grad_(False)  # frozen: computed on the workers
-    loss = dpool.criterion(loss_fn)(model(x), y)
-    rloss = loss_fn(ref(x), y)
-    torch.testing.assert_close(loss, rloss)
-    loss.backward()
-    rloss.backward()
-    for p, rp in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, rp.grad)
+    _same_loss_and_gradients(dpool.criterion(loss_fn)(model(x), y), loss_fn(ref(x), y), net, ref)
     loss_fn.requires_grad_(True)
     with torch.no_grad():  # evaluation: nothing to train
         torch.testing.assert_close(dpool.criterion(loss_fn)(model(x), y), loss_fn(ref(x), y))
