@@ -129,7 +129,8 @@ class Runtime:
         # restart and re-sync; a speculative backward's result is only used while this has not moved.
         self._slot_gen = 0
         self._workers_hold = False  # the workers may hold no_sync gradients (a backward with hold ran since)
-        self._held = HeldGradients(lambda: self.master.param_names)  # what the loop did to them (accumulate.py)
+        master = self.master  # (not self: a runtime in no cycle goes with its last reference)
+        self._held = HeldGradients(lambda: master.param_names)  # what the loop did to them (accumulate.py)
         self._sent_requires_grad = b""
         self.buffer_policy = buffers
         self._rank0_buffers: torch.Tensor | None = None  # cross-node, buffers="first": staging for the broadcast

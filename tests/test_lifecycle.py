@@ -152,9 +152,19 @@ def test_a_model_dropped_without_close_takes_its_workers_with_it():
     """A sweep over hyperparameters, or a notebook cell run again, drops models without close(). Each
     dropped model's pool used to stay alive until the interpreter exited, with its worker processes and
     their memory: the pool's finalizer held the control channel, whose callback held the pool, so not even
-    the garbage collector could free it. Now the pool goes when the collector frees the model (torch's
-    optimizer alone keeps a model in a reference cycle), with the loss on the workers too."""
-    pools = [_train_and_drop(criterion, optimizer) for criterion in (False, True) for optimizer in (False, True)]
+    the garbage collector could free it. Now the pool goes with its model: by reference counting alone
+    (dpool keeps no cycle through the runtime), or at the collector's next pass where torch's optimizer
+    keeps the model in a cycle of its own; with the loss on the workers too."""
+    gc.disable()
+    try:
+        for criterion in (False, True):
+            pool, pids = _train_and_drop(criterion, optimizer=False)
+            assert pool() is None  # no collection ran: nothing kept it in a cycle
+            assert wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                            for p in pids), timeout=10)
+    finally:
+        gc.enable()
+    pools = [_train_and_drop(criterion, optimizer=True) for criterion in (False, True)]
     gc.collect()
     assert all(pool() is None for pool, _ in pools)
     assert wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
