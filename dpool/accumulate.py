@@ -46,12 +46,15 @@ class HeldGradients:
         self._names = names
         self._marks: list[tuple[weakref.ref, int, bool] | None] | None = None  # (marker, version, made by us)
         self._ids: set[int] = set()
+        self._sparse: set[int] = set()  # parameters with sparse gradients: no marker
 
     def mark(self, module: torch.nn.Module, params: Sequence[torch.Tensor], flags: bytes) -> None:
         """After a held backward: each parameter that took a gradient now, or before, gets its marker."""
         global _hooked
-        sparse = {id(m.weight) for m in module.modules()
-                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+        if self._marks is None:  # an accumulation starts (the model cannot change until it ends)
+            self._sparse = {id(m.weight) for m in module.modules()
+                            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+        sparse = self._sparse
         old = self._marks or [None] * len(params)
         marks: list[tuple[weakref.ref, int, bool] | None] = []
         for p, flag, before in zip(params, flags, old):

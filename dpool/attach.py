@@ -101,13 +101,7 @@ class Lease(Launcher):
             w.alive = False
         if any(w.exports for w in pool.workers):
             self._settle_cuda_exports(pool, told)
-        try:
-            request(self.name, P.Detach(os.getpid()), timeout=2.0)
-        except Exception:
-            pass  # the daemon is gone, or will notice our exit through our pidfd
-        if self.daemon_fd is not None:
-            os.close(self.daemon_fd)
-            self.daemon_fd = None
+        self._give_back()
 
     def abandon(self, chan: Any, workers: Sequence[Worker]) -> None:
         """:meth:`end` for a pool nobody closed: the workers told to drop our replica, the lease freed. A
@@ -116,10 +110,14 @@ class Lease(Launcher):
             if w.alive and w.ident:
                 chan.try_send(P.Shutdown(), w.ident)
             w.alive = False
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Free the lease at the daemon, and stop watching it."""
         try:
             request(self.name, P.Detach(os.getpid()), timeout=2.0)
         except Exception:
-            pass
+            pass  # the daemon is gone, or will notice our exit through our pidfd
         if self.daemon_fd is not None:
             os.close(self.daemon_fd)
             self.daemon_fd = None

@@ -125,13 +125,12 @@ log = logging.getLogger("dpool")
 SPIN_ROUNDS_UP_TO_S = 1e-3
 
 
+def _call_weakly(method: weakref.WeakMethod, *args: Any) -> None:
+    """Call ``method`` if its object is still alive (a callback that must not keep the object alive)."""
+    bound = method()
+    if bound is not None:
+        bound(*args)
 
-def _rejected(pool_ref: Callable[[], Pool | None], peer: bytes, exc: ProtocolError) -> None:
-    """A control message dropped unread. Never decoded further and never answered: a foreign or corrupted
-    message must not be able to break the pool. Counted by the channel, and reported the first few times."""
-    pool = pool_ref()
-    if pool is not None and pool.chan.rejected <= 3:
-        warnings.warn(f"dpool dropped a control message from {peer!r}: {exc}", RuntimeWarning, stacklevel=4)
 
 class Pool:
     """N long-lived worker processes, and the rounds of messages exchanged with them.
@@ -189,7 +188,7 @@ class Pool:
         # (the channel is among the finalizer's arguments below, so what it holds must not hold the pool:
         # a bound method here kept every dropped pool, and its workers, alive until the interpreter exited)
         self.chan = Channel(self._ctx, True, self.key, config.max_message_bytes, send_timeout_ms=5000,
-                            on_reject=functools.partial(_rejected, weakref.ref(self)))
+                            on_reject=functools.partial(_call_weakly, weakref.WeakMethod(self._rejected)))
         rdir = runtime_dir()
         sweep_sockets(rdir)  # socket files of coordinators that died without cleaning up
         self.sock_path = os.path.join(rdir, self.prefix + ".sock")
@@ -223,6 +222,12 @@ class Pool:
     def rejected(self) -> int:
         """Control messages dropped by authentication or validation."""
         return self.chan.rejected
+
+    def _rejected(self, peer: bytes, exc: ProtocolError) -> None:
+        # Never decoded further and never answered: a foreign or corrupted message must not be able to
+        # break the pool. Counted, and reported the first few times.
+        if self.chan.rejected <= 3:
+            warnings.warn(f"dpool dropped a control message from {peer!r}: {exc}", RuntimeWarning, stacklevel=5)
 
     def rekey(self, key: bytes) -> None:
         """Authenticate with ``key`` from now on (a leased pool's session key)."""
@@ -461,7 +466,7 @@ class Pool:
             if idx < 0:
                 # authenticated but from no current worker (a replaced one's last words): dropped
                 self.chan.rejected += 1
-                _rejected(weakref.ref(self), ident, ProtocolError(f"message from unknown peer {ident!r}"))
+                self._rejected(ident, ProtocolError(f"message from unknown peer {ident!r}"))
                 continue
             if isinstance(msg, P.Output):  # an attached worker's prints: shown as spawned workers' are
                 show_output(f"dpool worker {idx}", msg.text, msg.stream == 2)
