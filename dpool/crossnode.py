@@ -52,7 +52,7 @@ from torch import nn
 from .config import Config
 from .errors import CollectiveDesyncError, DpoolValueError, UnsupportedError
 from .layout import Layout
-from .peers import Peer, Peers
+from .peers import Peer, Peers, arm_exit_guard
 from .reduce import Reducer
 
 __all__ = ["CrossNode", "CrossNodeReducer", "resolve_group", "FORWARD", "BACKWARD"]
@@ -302,9 +302,10 @@ class CrossNode:
         self.peers.fail(exc, self.step)
 
     def close(self) -> None:
+        """Stop the heartbeat and the exchange thread, and wait for both (see :meth:`Peers.stop`)."""
         self.peers.stop()
-        if self._waiter is not None:  # (a waiter stuck in a failed exchange ends with the process: a daemon)
-            self._waiter.stop()
+        if self._waiter is not None:
+            self._waiter.stop(timeout=2 * self.config.peer_heartbeat_s + 1.0)
             self._waiter = None
 
 
@@ -344,8 +345,16 @@ class _Waiter:
     def put(self, ex: Exchange) -> None:
         self._queue.put(ex)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float) -> None:
+        """End the thread once the exchanges before it are done; wait up to ``timeout`` seconds for it.
+
+        One still blocked then is in a failed exchange (a peer is gone): the exit guard ends the
+        process past it, as after any cross-node failure.
+        """
         self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            arm_exit_guard(lambda: None)
 
     def _run(self) -> None:
         while True:

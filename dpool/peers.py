@@ -25,7 +25,7 @@ process that caught a gloo error can block in its teardown or abort with SIGABRT
 
 Lifecycle: ``start()`` at ``wrap()`` (before the first collective), ``wait()`` around every
 collective, ``fail()`` on the first error (publishes the abort key, arms the exit guard),
-``stop()`` at ``close()`` (writes this rank's ``gone`` key, stops the thread).
+``stop()`` at ``close()`` (writes this rank's ``gone`` key, ends the thread and waits for it).
 
 Keys live under a namespace per wrap (group name, torchrun restart count, wrap number), so an
 agent store that outlives a restarted job never shows a new job the old one's abort key.
@@ -295,7 +295,15 @@ class Peers:
             log.debug("could not publish the abort key: %s", exc)
 
     def stop(self, why: str = "closed its dpool model") -> None:
-        """End the heartbeat; leave a ``gone`` note so a rank still waiting names this one."""
+        """End the heartbeat and wait for its thread; leave a ``gone`` note so a rank still waiting names this one.
+
+        The thread must be over before the interpreter finalizes: a daemon thread that comes back
+        from a torch call (here a store round trip) during finalization is ended with
+        ``pthread_exit`` inside pybind11's ``gil_scoped_release`` destructor, and the process aborts
+        ("terminate called without an active exception", exit code 134) after a clean run
+        (pytorch/pytorch#38228). A heartbeat stuck in a store that stopped answering is left to the
+        exit guard instead.
+        """
         if self._stop.is_set():
             return
         self._stop.set()
@@ -305,6 +313,11 @@ class Peers:
                 self.store.set(self._key("gone", self.rank), why)
             except Exception:
                 pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval_s + 1.0)  # one beat: a few store round trips
+            if self._thread.is_alive():
+                log.debug("dpool: the heartbeat thread is stuck in the process group's store; exit guard armed")
+                arm_exit_guard(lambda: None)
 
 
 def _gloo_text(text: str) -> str:

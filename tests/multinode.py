@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -215,7 +216,9 @@ def accumulate(rank: int, world: int, p: dict) -> dict:
     """no_sync over micro-batches, then one synced backward; then checkpoint on rank 0, close, resume."""
     B, micro = 8, 3
     net = make_net(bn=False)
-    model = dpool.wrap(net, device_ids=["cpu"] * p["workers"], worker_threads=1)
+    # a heartbeat every 2 ms: close() finds the heartbeat thread inside a store call most of the time
+    beat = {"peer_heartbeat_s": p.get("heartbeat", 1.0)}
+    model = dpool.wrap(net, device_ids=["cpu"] * p["workers"], worker_threads=1, **beat)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = batches(micro + 1, B)
     sl = rows_of(rank, world, B)
@@ -242,11 +245,14 @@ def accumulate(rank: int, world: int, p: dict) -> dict:
         os.replace(ckpt + ".tmp", ckpt)
     dist.barrier()
     model.close()
+    # close() waits for its threads: one still in a torch call when the interpreter finalizes aborts
+    # the process after a clean run (dpool/peers.py, Peers.stop)
+    left = [t.name for t in threading.enumerate() if t.name.startswith("dpool")]
     resumed = make_net(bn=False)
     saved = torch.load(ckpt)
     if rank == 0:  # rank 0 alone loads the parameters: wrap() broadcasts them
         resumed.load_state_dict(saved["model"])
-    model2 = dpool.wrap(resumed, device_ids=["cpu"] * p["workers"], worker_threads=1)
+    model2 = dpool.wrap(resumed, device_ids=["cpu"] * p["workers"], worker_threads=1, **beat)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
     opt2.load_state_dict(saved["opt"])  # every rank loads the optimizer state
     for x, y in steps[2:]:
@@ -256,7 +262,8 @@ def accumulate(rank: int, world: int, p: dict) -> dict:
     dist.barrier()
     torch.save({"accumulated": accumulated, "grads_inside": grads_inside, "resumed": state(resumed)}, p["file"])
     model2.close()
-    return {"inside": inside}
+    left += [t.name for t in threading.enumerate() if t.name.startswith("dpool")]
+    return {"inside": inside, "threads_left": left}
 
 
 def fault(rank: int, world: int, p: dict) -> dict:

@@ -144,7 +144,7 @@ def runs():
         "syncbn_2x2": Run("union", 2, workers=[2, 2], buffers="first", sync_bn=True),
         "syncbn_1x2": Run("union", 2, workers=[1, 2], buffers="average", sync_bn="torch"),
         "bn_sync_2x2": Run("union", 2, workers=[2, 2], buffers="sync", steps=1, head=False),
-        "accumulate": Run("accumulate", 2, workers=2),
+        "accumulate": Run("accumulate", 2, workers=2, heartbeat=0.002),
         "overlap": Run("overlap", 2, workers=[1, 2]),
         "subgroup": Run("overlap", 3, workers=[1, 2], subgroup=True),
     }
@@ -313,6 +313,7 @@ def test_no_sync_accumulates_then_averages_once(runs):
         opt.step()
     for r in (0, 1):
         assert run.result(r)["inside"] == 0  # no collective inside no_sync()
+        assert run.result(r)["threads_left"] == []  # close() joined the heartbeat and exchange threads
         t = run.tensors(r)
         # the master's .grad waits for the synced backward: zero markers meanwhile (dpool/accumulate.py)
         assert all(g is not None and not g.any() for g in t["grads_inside"])
