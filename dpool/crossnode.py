@@ -44,6 +44,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -140,7 +141,11 @@ class CrossNode:
                            config.peer_heartbeat_timeout_s, config.peer_timeout_s)
         self.peers.timed_waits = self.comm_device.type == "cpu" and device.type == "cpu"  # gloo on CPU tensors
         self.mask_len = 0
-        self._waiter: _Waiter | None = None  # started by the first exchange()
+        self._waiter: list[_Waiter] = []  # started by the first exchange()
+        # close() also when the model is dropped unclosed and at exit: no dpool thread may still be in a
+        # torch call when the interpreter finalizes (see Peers.stop)
+        self._closer = weakref.finalize(self, _end_threads, self.peers, self._waiter,
+                                        2 * config.peer_heartbeat_s + 1.0)
         self._header: torch.Tensor | None = None
         self._headers: list[torch.Tensor] = []
         if auto and self.rank == 0:
@@ -292,9 +297,9 @@ class CrossNode:
         tag = _TAG + slot
         into.prepare((dist.isend(mine, other, group=self.group, tag=tag),
                       dist.irecv(theirs, other, group=self.group, tag=tag)))
-        if self._waiter is None:
-            self._waiter = _Waiter()
-        self._waiter.put(into)
+        if not self._waiter:
+            self._waiter.append(_Waiter())
+        self._waiter[0].put(into)
         return into
 
     def fail(self, exc: BaseException) -> None:
@@ -303,10 +308,15 @@ class CrossNode:
 
     def close(self) -> None:
         """Stop the heartbeat and the exchange thread, and wait for both (see :meth:`Peers.stop`)."""
-        self.peers.stop()
-        if self._waiter is not None:
-            self._waiter.stop(timeout=2 * self.config.peer_heartbeat_s + 1.0)
-            self._waiter = None
+        self._closer()
+
+
+def _end_threads(peers: Peers, waiter: list[_Waiter], timeout: float) -> None:
+    """:meth:`CrossNode.close`, also run when a model is dropped unclosed, or at exit for one still open."""
+    peers.stop()
+    for w in waiter:
+        w.stop(timeout)
+    waiter.clear()
 
 
 class Exchange:

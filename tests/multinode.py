@@ -216,7 +216,7 @@ def accumulate(rank: int, world: int, p: dict) -> dict:
     """no_sync over micro-batches, then one synced backward; then checkpoint on rank 0, close, resume."""
     B, micro = 8, 3
     net = make_net(bn=False)
-    # a heartbeat every 2 ms: close() finds the heartbeat thread inside a store call most of the time
+    # a heartbeat every 2 ms: close() and the exit find the heartbeat thread in a store call most of the time
     beat = {"peer_heartbeat_s": p.get("heartbeat", 1.0)}
     model = dpool.wrap(net, device_ids=["cpu"] * p["workers"], worker_threads=1, **beat)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -261,9 +261,14 @@ def accumulate(rank: int, world: int, p: dict) -> dict:
         opt2.step()
     dist.barrier()
     torch.save({"accumulated": accumulated, "grads_inside": grads_inside, "resumed": state(resumed)}, p["file"])
-    model2.close()
-    left += [t.name for t in threading.enumerate() if t.name.startswith("dpool")]
+    # model2 stays open until the process exits, as in a script that keeps it in a global and never
+    # closes it: the exit must still be clean (code 0: dpool ends its threads at exit) and take the
+    # workers with it (the runner waits for the pipes they inherited)
+    _OPEN_AT_EXIT.append(model2)
     return {"inside": inside, "threads_left": left}
+
+
+_OPEN_AT_EXIT: list = []
 
 
 def fault(rank: int, world: int, p: dict) -> dict:

@@ -314,6 +314,7 @@ def test_no_sync_accumulates_then_averages_once(runs):
     for r in (0, 1):
         assert run.result(r)["inside"] == 0  # no collective inside no_sync()
         assert run.result(r)["threads_left"] == []  # close() joined the heartbeat and exchange threads
+        # (and the second model, left open, did not abort the exit: _ok above)
         t = run.tensors(r)
         # the master's .grad waits for the synced backward: zero markers meanwhile (dpool/accumulate.py)
         assert all(g is not None and not g.any() for g in t["grads_inside"])
