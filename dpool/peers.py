@@ -20,8 +20,10 @@ process that caught a gloo error can block in its teardown or abort with SIGABRT
 * **The exit guard.** After a cross-node failure a gloo operation may still be pending, and
   its destructor is what blocks or aborts at exit. :func:`arm_exit_guard` registers an ``atexit``
   handler that closes dpool's pools (reaping their workers), flushes stdio and ends the process
-  with ``os._exit``: the code of an uncaught exception (1), or the one given to ``sys.exit``.
-  ``torchrun`` can then restart the job.
+  with ``os._exit`` and the status Python would have given the script's ending: 1 for an uncaught
+  exception, the code of ``sys.exit``, ``raise SystemExit`` or ``exit()`` (followed on the main
+  thread's outermost frame, :func:`_follow_root`), death by SIGINT for Ctrl-C. ``torchrun`` can then
+  restart the job.
 
 Lifecycle: ``start()`` at ``wrap()`` (before the first collective), ``wait()`` around every
 collective, ``fail()`` on the first error (publishes the abort key, arms the exit guard),
@@ -36,6 +38,7 @@ import atexit
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -340,10 +343,19 @@ _AFTER = ("This rank's workers are stopped and its master module and optimizer a
 
 
 # ---------------------------------------------------------------------- process hooks
-# _LIVE: the groups of this process's open cross-node models. _GUARD: the exit guard's state; its
-# "code" is the exit code the script would have had (recorded by the two hooks below).
+# _LIVE: the groups of this process's open cross-node models. _GUARD: the exit guard's state. The guard
+# ends the process with the exit status the script would have had. "code" is what sys.excepthook and
+# sys.exit recorded. "root" is what the main thread's outermost frame saw last (see _follow_root): how
+# the script really ended, when that frame could be followed ("traced"). "sigint" stands for an
+# uncaught KeyboardInterrupt, which Python ends by killing itself with SIGINT.
 _LIVE: "weakref.WeakSet[Peers]" = weakref.WeakSet()
-_GUARD: dict[str, Any] = {"hooked": False, "armed": False, "code": 0, "closers": []}
+_GUARD: dict[str, Any] = {"hooked": False, "armed": False, "code": 0, "closers": [], "traced": False,
+                          "root": None}
+
+
+def _status(code: Any) -> int:
+    """The exit status of ``SystemExit(code)``, as Python computes it."""
+    return 0 if code is None else code if isinstance(code, int) else 1
 
 
 def _install_hooks() -> None:
@@ -356,7 +368,7 @@ def _install_hooks() -> None:
     hook = sys.excepthook
 
     def excepthook(tp: Any, value: Any, tb: Any) -> None:
-        _GUARD["code"] = 1
+        _GUARD["code"] = "sigint" if issubclass(tp, KeyboardInterrupt) else 1
         for peers in list(_LIVE):
             if not peers.failed:
                 text = str(value).strip().splitlines()[0] if str(value).strip() else ""
@@ -367,10 +379,49 @@ def _install_hooks() -> None:
     real_exit = sys.exit
 
     def exit(code: Any = None) -> Any:
-        _GUARD["code"] = 0 if code is None else code if isinstance(code, int) else 1
+        _GUARD["code"] = _status(code)
         return real_exit(code)
 
     sys.exit = exit
+
+
+def _untraced(frame: Any, event: str, arg: Any) -> None:
+    """The global trace function while the exit guard follows the outermost frame: new frames untraced."""
+    return None
+
+
+def _follow_root() -> None:
+    """Follow how the main thread's outermost frame ends, so that the exit guard exits with the status
+    Python would have: ``raise SystemExit(main())`` and the ``exit()`` builtin end a script without
+    ``sys.exit`` or ``sys.excepthook`` seeing their code.
+
+    The frame reports each exception that reaches it ("exception" events: the last one before the
+    interpreter exits is what ended the script) and each line it runs after (the exception was caught
+    there and the script went on). Only the main thread can do this, and only when no debugger or
+    coverage tool traces it (``sys.gettrace()``); otherwise :func:`_install_hooks`' record stands.
+    The cost is one Python call per Python function call from here on, after a failure only.
+    """
+    if threading.current_thread() is not threading.main_thread() or sys.gettrace() is not None:
+        return
+    root = sys._getframe()
+    while root.f_back is not None:
+        root = root.f_back
+
+    def follow(frame: Any, event: str, arg: Any) -> Any:
+        if event == "exception":
+            tp, value = arg[0], arg[1]
+            if issubclass(tp, SystemExit):
+                _GUARD["root"] = _status(getattr(value, "code", None))
+            else:
+                _GUARD["root"] = "sigint" if issubclass(tp, KeyboardInterrupt) else 1
+        elif event == "line":
+            _GUARD["root"] = None
+        return follow
+
+    root.f_trace = follow
+    root.f_trace_lines = True
+    sys.settrace(_untraced)
+    _GUARD["traced"] = True
 
 
 def arm_exit_guard(closer: Callable[[], None]) -> None:
@@ -379,6 +430,7 @@ def arm_exit_guard(closer: Callable[[], None]) -> None:
     _GUARD["closers"].append(closer)
     if not _GUARD["armed"]:
         _GUARD["armed"] = True
+        _follow_root()
         atexit.register(_exit_now)
 
 
@@ -394,4 +446,11 @@ def _exit_now() -> None:
             stream.flush()
         except Exception:
             pass
-    os._exit(_GUARD["code"])
+    code = _GUARD["code"]
+    if _GUARD["traced"] and sys.gettrace() is _untraced:  # the outermost frame was followed to the end
+        code = 0 if _GUARD["root"] is None else _GUARD["root"]
+    if code == "sigint":  # as Python ends on an uncaught KeyboardInterrupt: killed by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 130
+    os._exit(code)

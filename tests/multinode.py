@@ -314,7 +314,16 @@ def fault(rank: int, world: int, p: dict) -> dict:
                   "workers_alive": [q for q in pids if _alive(q)]}
         print("RESULT " + json.dumps(result), flush=True)
         print(f"EXITING {time.time()}", flush=True)
-        raise  # the script ends with the error: the exit guard must end it promptly, without SIGABRT
+        # the script ends (with the error, by default): the exit guard must end it promptly, without
+        # SIGABRT, and with the status Python would give that ending
+        ending = p.get("end", "raise")
+        if ending == "SystemExit":  # as `raise SystemExit(main())` ends a script: sys.exit never called
+            raise SystemExit(3) from None
+        if ending == "exit":  # the builtin: it raises SystemExit itself
+            exit(4)
+        if ending == "KeyboardInterrupt":  # Python then ends by SIGINT
+            raise KeyboardInterrupt from None
+        raise
 
 
 def cuda_nodes(rank: int, world: int, p: dict) -> dict:
