@@ -362,6 +362,8 @@ class _Waiter:
         process past it, as after any cross-node failure.
         """
         self._queue.put(None)
+        if self._thread is threading.current_thread():  # a collection that ran the finalizer on this thread
+            return
         self._thread.join(timeout)
         if self._thread.is_alive():
             arm_exit_guard(lambda: None)
