@@ -141,10 +141,10 @@ class CrossNode:
                            config.peer_heartbeat_timeout_s, config.peer_timeout_s)
         self.peers.timed_waits = self.comm_device.type == "cpu" and device.type == "cpu"  # gloo on CPU tensors
         self.mask_len = 0
-        self._waiter: list[_Waiter] = []  # started by the first exchange()
+        self._waiters: list[_Waiter] = []  # (at most one) started by the first exchange()
         # close() also when the model is dropped unclosed and at exit: no dpool thread may still be in a
         # torch call when the interpreter finalizes (see Peers.stop)
-        self._closer = weakref.finalize(self, _end_threads, self.peers, self._waiter,
+        self._closer = weakref.finalize(self, _end_threads, self.peers, self._waiters,
                                         2 * config.peer_heartbeat_s + 1.0)
         self._header: torch.Tensor | None = None
         self._headers: list[torch.Tensor] = []
@@ -297,9 +297,9 @@ class CrossNode:
         tag = _TAG + slot
         into.prepare((dist.isend(mine, other, group=self.group, tag=tag),
                       dist.irecv(theirs, other, group=self.group, tag=tag)))
-        if not self._waiter:
-            self._waiter.append(_Waiter())
-        self._waiter[0].put(into)
+        if not self._waiters:
+            self._waiters.append(_Waiter())
+        self._waiters[0].put(into)
         return into
 
     def fail(self, exc: BaseException) -> None:
@@ -311,12 +311,12 @@ class CrossNode:
         self._closer()
 
 
-def _end_threads(peers: Peers, waiter: list[_Waiter], timeout: float) -> None:
+def _end_threads(peers: Peers, waiters: list[_Waiter], timeout: float) -> None:
     """:meth:`CrossNode.close`, also run when a model is dropped unclosed, or at exit for one still open."""
     peers.stop()
-    for w in waiter:
+    for w in waiters:
         w.stop(timeout)
-    waiter.clear()
+    waiters.clear()
 
 
 class Exchange:
