@@ -350,6 +350,7 @@ def test_objects_the_model_holds_and_resized_buffers_on_gpu_workers(wrap):
     assert net.views[0].data_ptr() == net.lin.weight.data_ptr()
 
     net = _HoldsThings(grow=True).to(DEV)
+    net.views = [net.lin.weight.detach()]  # (the one __init__ made is of the CPU weight: .to() leaves it)
     net.masks = {"keep": torch.ones(6, device=DEV)}
     model = wrap(net, IDS)
     with pytest.raises(RuntimeError, match=r"resized a parameter or buffer in place.*seen\..*"
