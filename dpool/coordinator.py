@@ -148,6 +148,7 @@ class Runtime:
         self._resyncs, self._resynced_at = 0, -1  # re-syncs on consecutive forwards, the forward of the latest
         self._warned_global_hooks = False
         self._warned_attributes: set[str] = set()
+        self._warned_relaid: set[str] = set()
         if attach is not None and max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         # Where the coordinator has no core of its own, rounds of several shards ask the workers to reply
@@ -316,6 +317,20 @@ class Runtime:
                 "dpool's workers, so they do not see or change the replicas' forward and backward. Register "
                 "the hook on the model's modules instead (module.register_forward_hook(...)): those travel "
                 "with the model.", stacklevel=_user_stacklevel())
+
+    def _warn_relaid(self, names: list[str]) -> None:
+        """Say once per tensor that a new memory format given to it after wrap() (``model.to(memory_format=
+        torch.channels_last)``) was not kept: its shared copy keeps the layout it had at wrap()."""
+        new = [n for n in names if n not in self._warned_relaid]
+        if new:
+            self._warned_relaid.update(new)
+            more = f" and {len(new) - 3} more" if len(new) > 3 else ""
+            warnings.warn(
+                f"dpool: {', '.join(new[:3])}{more} of the master module got another memory format after "
+                "dpool.wrap() (module.to(memory_format=...)); the values are followed, but in shared memory "
+                "(the master's and the workers') a parameter keeps the layout it had at wrap(), and a buffer is "
+                "row-major. Convert the module before dpool.wrap(): its parameters keep channels_last then.",
+                stacklevel=_user_stacklevel())
 
     def _warn_attributes(self, names: set[str]) -> None:
         """Say once per attribute that a forward set it to a tensor that requires grad on the workers only
@@ -572,7 +587,9 @@ class Runtime:
         pool.check_usable()
         if self.master.changed or self.master.touched():
             self._follow_changes()
-        self.master.check_bindings()
+        relaid = self.master.check_bindings()
+        if relaid:
+            self._warn_relaid(relaid)
         if numerics() != self._sent_numerics:
             self._follow_numerics()
         if self.cuda:

@@ -527,13 +527,19 @@ class Master:
                     moved.add(i)
         self._move_aliases(moved)
 
-    def check_bindings(self) -> None:
-        """Re-attach tensors the user replaced (``p.data = ...``, ``load_state_dict(assign=True)``)."""
+    def check_bindings(self) -> list[str]:
+        """Re-attach tensors the user replaced (``p.data = ...``, ``load_state_dict(assign=True)``,
+        ``module.to(memory_format=...)``); return the names of those that came in another memory format,
+        which their shared copy does not take (it keeps the layout it was given at ``wrap()``)."""
+        relaid = []
         for i, t in enumerate(self.params + self.buffers):
-            if t.data_ptr() != self._ptrs[i]:
-                self._rebind(i, t)
+            if t.data_ptr() != self._ptrs[i] and self._rebind(i, t):
+                relaid.append((self.param_names + self.buffer_names)[i])
+        return relaid
 
-    def _rebind(self, i: int, t: torch.Tensor) -> None:
+    def _rebind(self, i: int, t: torch.Tensor) -> bool:
+        """Copy ``t``'s values into tensor ``i``'s shared copy and point it there; True if ``t`` is dense in
+        another layout than that copy's (its memory format is then lost)."""
         v = (self.param_views + self.buffer_views)[i]
         if t.shape != v.shape or t.dtype != v.dtype or t.device != v.device:
             name = (self.param_names + self.buffer_names)[i]
@@ -542,10 +548,12 @@ class Master:
                 f"dpool.wrap() (it was {tuple(v.shape)}/{v.dtype}/{v.device}). The workers' replicas cannot follow a "
                 "change of shape, dtype or device: close this model and dpool.wrap() the module again."
             )
+        relaid = t.stride() != v.stride() and (t.is_contiguous() or dense_strides(t) is not None)
         with torch.no_grad():
             v.copy_(t.detach())
             t.data = v
         self._ptrs[i] = t.data_ptr()
+        return relaid
 
     # ------------------------------------------------------------------ the model, shipped
     def pickle(self) -> bytes:

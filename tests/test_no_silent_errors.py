@@ -1468,6 +1468,20 @@ def test_memory_format_of_parameters_and_gradients_is_kept(wrap):
         ref_opt.step()
     for p, rp in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p, rp)
+    # another memory format given after wrap(): the values are followed, the layout is not, and a warning says so
+    for m in (net, ref):
+        m.to(memory_format=torch.contiguous_format)
+    x = torch.randn(6, 3, 5, 5, dtype=torch.float64)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    with pytest.warns(UserWarning, match=r"conv\.weight, conv2\.weight of the master module got another memory "
+                                         r"format after dpool\.wrap\(\).*before dpool\.wrap\(\)"):
+        model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad, msg=n)
+        torch.testing.assert_close(p, rp, msg=n)
+    assert [p.stride() for p in net.parameters()] == strides
     model.close()
     assert [p.stride() for p in net.parameters()] == strides  # and after close, in private memory
 
