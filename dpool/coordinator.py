@@ -47,7 +47,7 @@ from .buffers import BufferCommit
 from .config import Config
 from .cpus import physical_cores
 from .crossnode import FORWARD, CrossNode, CrossNodeReducer
-from .errors import (DpoolValueError, UnpicklableModelError, UnsupportedError, WorkerDiedError, WorkerStartError,
+from .errors import (DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError, WorkerDiedError, WorkerStartError,
                      WorkerTimeoutError, remote_error)
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
 from .launch import reply_together, wait_spin
@@ -705,6 +705,7 @@ class Runtime:
         diff_params = [self.params[i] for i in diff_idx]
         state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
         state.diff_idx = diff_idx
+        state.versions = [p._version for p in diff_params]
         state.input_devices = [t.device for t in diff_inputs]
         if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
             handle = ShardedOutput(self, state, specs, diff_inputs)
@@ -823,7 +824,7 @@ class Runtime:
         hit = guess.hit(seed)
         crit._speculate = hit  # a miss (a scaled loss, GradScaler) turns speculation off until a would-be hit
         if (not hit or guess.replies is None or guess.gen != self._slot_gen or self.no_sync
-                or torch.is_grad_enabled() or self.graphs.lost(state.call)
+                or torch.is_grad_enabled() or self.graphs.lost(state.call) or self.params_changed(state)
                 or guess.flags != bytes(p.requires_grad for p in self.params)):
             return None
         self.pool.check_usable()
@@ -894,6 +895,7 @@ class Runtime:
                 "the autograd graph of this forward was lost when a dpool worker was restarted; "
                 "run the forward again (the master module is unchanged)"
             )
+        self.check_params(state)
         create_graph = torch.is_grad_enabled()  # autograd enables grad mode here only for create_graph
         if create_graph and self.nodes is not None:
             raise UnsupportedError("higher-order gradients (create_graph=True) are not combined across nodes; "
@@ -931,6 +933,30 @@ class Runtime:
         double.ctx = None
         it = iter(results)
         return [next(it) if g is not None else None for g in out]
+
+    @staticmethod
+    def params_changed(state: CallState) -> bool:
+        """Whether a parameter of ``state``'s forward was changed in place since (an ``optimizer.step()``
+        before ``loss.backward()``): the workers' graphs read the parameters' current values."""
+        return any(p._version != v for p, v in zip(state.diff_params, state.versions))
+
+    def check_params(self, state: CallState) -> None:
+        """Refuse a backward through a forward whose parameters were changed in place since. One process
+        raises too, for the parameters its graph saved; the workers' graphs saved views of the shared
+        parameters, whose versions this process's in-place operations do not move, and would backpropagate
+        with the new values. So the coordinator compares the parameters' versions with the forward's."""
+        if not self.params_changed(state):
+            return
+        names = [self.master.param_names[i] for i, p, v in zip(state.diff_idx, state.diff_params, state.versions)
+                 if p._version != v]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        raise ModelChangedError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"parameter{'s' * (len(names) > 1)} {', '.join(names[:3])}{more} of the dpool model changed in place "
+            "after its forward (an optimizer.step() or an update under torch.no_grad() before this backward). "
+            "The workers' graphs would backpropagate with the new values, so dpool refuses, as one process "
+            "refuses for the tensors its graph saved. Run the backward before changing the parameters, or the "
+            "forward again after the change. (A change through .data is not tracked, here as in one process.)")
 
     def _backward_round(self, call: int, k: int, per_shard: list[list[torch.Tensor | None]], gin_sizes: list[int],
                         keep: int, hold: bool, rows: list[int] | None = None, at: int = -1) -> tuple[list, dict]:
@@ -1031,6 +1057,7 @@ class Runtime:
         self.pool.check_usable()
         if self.graphs.lost(double.call):
             raise RuntimeError("the graph of these gradients was lost when a dpool worker was restarted")
+        self.check_params(double.state)
         per_shard, gin_sizes = double.pieces(vs)
         param_grads, replies = self._backward_round(double.call, double.k, per_shard, gin_sizes, 0, False)
         return double.results([replies[s].input_grads for s in range(double.k)],

@@ -168,6 +168,47 @@ def test_changes_to_the_model_after_wrap_are_followed(wrap, change):
         torch.testing.assert_close(model(xs[0]), ref(xs[0]))
 
 
+def test_a_parameter_changed_in_place_between_forward_and_backward_is_refused(wrap):
+    """An optimizer.step() (or an update under no_grad) between a forward and its backward: one process raises
+    for the weights its graph saved; the workers' graphs hold the shared weights, whose versions the master's
+    update does not move, so they would backpropagate with the new values. dpool raises, names the parameter
+    and writes no gradient. A change through .data is tracked by neither, and both use the new values."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    out, rout = model(x), ref(x)
+    with torch.no_grad():
+        net[2].weight.mul_(2)
+        ref[2].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        rout.sum().backward()  # one process
+    with pytest.raises(dpool.ModelChangedError, match=r"modified by an inplace operation: parameter 2\.weight of "
+                                                      r"the dpool model changed in place after its forward") as info:
+        out.sum().backward()
+    assert isinstance(info.value, RuntimeError)
+    assert all(p.grad is None for p in net.parameters())  # nothing written
+    # through .data: untracked in one process too, where the backward reads the new values as well
+    out, rout = model(x), ref(x)
+    net[2].weight.data.mul_(0.5)
+    ref[2].weight.data.mul_(0.5)
+    out.sum().backward()
+    rout.sum().backward()
+    for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad, msg=n)
+    # the loss on the workers (its backward may run with the loss): the same refusal
+    net2 = copy.deepcopy(ref)
+    model2 = wrap(net2, gather=False)
+    loss = dpool.criterion(nn.MSELoss())(model2(x), torch.zeros(6, 3, dtype=torch.float64))
+    opt = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    for p in net2.parameters():  # a step that moves the second layer (torch's own check sees the first)
+        p.grad = torch.ones_like(p) if p.shape[0] == 3 else None
+    opt.step()
+    with pytest.raises(dpool.ModelChangedError, match=r"parameters 2\.weight, 2\.bias of the dpool model"):
+        loss.backward()
+
+
 class _Knobs(nn.Module):
     """A model whose forward reads plain attributes: a scale, a dropout probability, hooks."""
 
