@@ -163,7 +163,8 @@ class CallState:
         self.diff_inputs: list[torch.Tensor] = []  # set by the runtime: what a double backward differentiates
         self.diff_params: list[torch.Tensor] = []
         self.diff_idx: list[int] = []  # the indices of diff_params among the master's parameters
-        self.versions: list[int] = []  # diff_params' autograd versions after the forward (see Runtime.check_params)
+        self.params: list[torch.Tensor] = []  # the master's parameters at the forward, and their autograd
+        self.versions: list[int] = []  # versions after it (a training forward's; see Runtime.check_params)
         self.input_devices: list[torch.device] = []  # of the inputs that require grad, in order
         dim = runtime.dim
         self.differentiable = [any(metas[s][g[s]].requires_grad for s in range(k)) for g in groups]

@@ -705,7 +705,8 @@ class Runtime:
         diff_params = [self.params[i] for i in diff_idx]
         state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
         state.diff_idx = diff_idx
-        state.versions = [p._version for p in diff_params]
+        state.params = self.params
+        state.versions = [p._version for p in state.params] if grad else []
         state.input_devices = [t.device for t in diff_inputs]
         if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
             handle = ShardedOutput(self, state, specs, diff_inputs)
@@ -938,17 +939,17 @@ class Runtime:
     def params_changed(state: CallState) -> bool:
         """Whether a parameter of ``state``'s forward was changed in place since (an ``optimizer.step()``
         before ``loss.backward()``): the workers' graphs read the parameters' current values."""
-        return any(p._version != v for p, v in zip(state.diff_params, state.versions))
+        return any(p._version != v for p, v in zip(state.params, state.versions))
 
     def check_params(self, state: CallState) -> None:
         """Refuse a backward through a forward whose parameters were changed in place since. One process
         raises too, for the parameters its graph saved; the workers' graphs saved views of the shared
         parameters, whose versions this process's in-place operations do not move, and would backpropagate
-        with the new values. So the coordinator compares the parameters' versions with the forward's."""
+        with the new values. So the coordinator compares every parameter's version (frozen ones' too: a graph
+        may save them) with the forward's; it cannot tell which the graphs saved, so it refuses for any."""
         if not self.params_changed(state):
             return
-        names = [self.master.param_names[i] for i, p, v in zip(state.diff_idx, state.diff_params, state.versions)
-                 if p._version != v]
+        names = [n for n, p, v in zip(self.master.param_names, state.params, state.versions) if p._version != v]
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         raise ModelChangedError(
             f"one of the variables needed for gradient computation has been modified by an inplace operation: "

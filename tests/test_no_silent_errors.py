@@ -189,6 +189,19 @@ def test_a_parameter_changed_in_place_between_forward_and_backward_is_refused(wr
         out.sum().backward()
     assert isinstance(info.value, RuntimeError)
     assert all(p.grad is None for p in net.parameters())  # nothing written
+    for m in (net, ref):  # a frozen weight that the graph saves (for the first layer's gradient)
+        m[2].weight.requires_grad_(False)
+    out, rout = model(x), ref(x)
+    with torch.no_grad():
+        net[2].weight.mul_(2)
+        ref[2].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        rout.sum().backward()
+    with pytest.raises(dpool.ModelChangedError, match=r"parameter 2\.weight of the dpool model"):
+        out.sum().backward()
+    assert all(p.grad is None for p in net.parameters())
+    for m in (net, ref):
+        m[2].weight.requires_grad_(True)
     # through .data: untracked in one process too, where the backward reads the new values as well
     out, rout = model(x), ref(x)
     net[2].weight.data.mul_(0.5)
