@@ -10,7 +10,7 @@ kept, and returns the summed parameter gradients and the input gradients, so
 
 Workers keep each call's graph (``retain_graph=True``) until the coordinator
 knows it is no longer needed: when the ``ctx`` of its ``Bridge`` node is freed
-or its saved tensors were released by a backward without ``retain_graph``.
+or a backward without ``retain_graph`` went through the node.
 The coordinator detects that before each request and piggybacks a ``release``.
 """
 from __future__ import annotations
@@ -52,9 +52,45 @@ def _user_stacklevel() -> int:
 _ASK_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
+# Each autograd Function of dpool (Bridge, DoubleBridge, loss.LossBridge) saves no tensor: a saved tensor
+# would run the saved-tensor hooks around the forward (torch.utils.checkpoint's non-reentrant mode
+# recomputes the forward when one is unpacked; torch.autograd.graph.save_on_cpu copies it to the CPU
+# and back), and the workers' graphs hold what the backward needs. A flag on the node stands in for
+# torch's check of a second backward through freed buffers. Only a torch without the keep-graph getter
+# saves one tensor, whose release Graphs.collect reads.
+_BACKWARD_TWICE = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after they have already "
+    "been freed). Saved intermediate values of the graph are freed when you call .backward() or autograd.grad(). "
+    "Specify retain_graph=True if you need to backward through the graph a second time or if you need to access "
+    "saved tensors after calling backward.")
+
+
+def track_release(ctx: Any, probe: torch.Tensor) -> None:
+    """In a Function's forward: its node is not yet freed (see :func:`enter_backward`)."""
+    ctx.freed = False
+    if _ASK_KEEP_GRAPH is None:
+        ctx.save_for_backward(probe)
+
+
+def enter_backward(ctx: Any) -> None:
+    """In a Function's backward: torch's own error if an earlier backward freed the node's graph."""
+    if ctx.freed:
+        raise RuntimeError(_BACKWARD_TWICE)
+    if _ASK_KEEP_GRAPH is None:
+        ctx.saved_tensors
+
+
+def leave_backward(ctx: Any) -> bool:
+    """In a Function's backward, at its end: True if this backward frees the graph (no ``retain_graph``)."""
+    if _keeps_graph():
+        return False
+    ctx.freed = True
+    return True
+
+
 def _keeps_graph() -> bool:
     """Inside a backward: whether it was asked to keep the graph (``retain_graph``). ``True`` when torch
-    cannot tell: then :meth:`Graphs.collect` asks the node itself whether its saved tensors are gone."""
+    cannot tell: then :meth:`Graphs.collect` asks the node itself whether its saved tensor is gone."""
     if _ASK_KEEP_GRAPH is None:
         return True
     try:
@@ -68,8 +104,8 @@ class Graphs:
 
     A call's graph lives on the workers while the coordinator-side object that can still
     backpropagate through it lives: the :class:`Bridge` node's ``ctx`` (or a
-    :class:`~dpool.loss.ShardedOutput`). Once that is freed, or its saved tensor was
-    released by a backward without ``retain_graph``, the call is *released*: its id
+    :class:`~dpool.loss.ShardedOutput`). Once that is freed, or a backward without
+    ``retain_graph`` went through the node (:meth:`spent`), the call is *released*: its id
     piggybacks on the next request, and the workers free the graph after replying.
     A worker restart or a re-shipped model loses every graph at once (:meth:`lose_all`).
     """
@@ -79,14 +115,14 @@ class Graphs:
         self._epoch = 0  # graphs of calls up to this id are lost
         self._live: dict[int, Any] = {}  # call → weakref to what keeps its graph alive
         self._released: set[int] = set()
-        self._spent: set[int] = set()  # live calls whose saved tensors a backward freed (see spent())
+        self._spent: set[int] = set()  # live calls that a backward without retain_graph went through
 
     def new_call(self) -> int:
         self.last_call += 1
         return self.last_call
 
     def track(self, call: int, owner: Any) -> None:
-        """Keep ``call``'s graph while ``owner`` lives (and, for a ctx, keeps its saved tensors)."""
+        """Keep ``call``'s graph while ``owner`` lives and no backward freed it (:meth:`spent`)."""
         self._live[call] = weakref.ref(owner)
 
     def release(self, calls: int | Sequence[int]) -> None:
@@ -105,8 +141,8 @@ class Graphs:
         return not self.lost(call) and call in self._live
 
     def spent(self, call: int) -> None:
-        """A backward without ``retain_graph`` ran through ``call``'s node: autograd frees its saved tensors
-        as the backward leaves the node, so :meth:`collect` need not ask the node (which raises then)."""
+        """A backward without ``retain_graph`` ran through ``call``'s node (see :func:`leave_backward`): the
+        node cannot backpropagate again, so the workers may free the call's graph."""
         if call in self._live:
             self._spent.add(call)
 
@@ -115,7 +151,7 @@ class Graphs:
         for call, ref in list(self._live.items()):
             owner = ref()
             freed = owner is None or call in self._spent
-            if not freed:
+            if not freed and _ASK_KEEP_GRAPH is None:
                 try:
                     owner.saved_tensors
                 except RuntimeError:  # released by a backward without retain_graph
@@ -280,7 +316,7 @@ class Bridge(torch.autograd.Function):
         state.ctx = ctx
         ctx.state = state
         ctx.param_idx = param_idx
-        ctx.save_for_backward(inputs[0])  # lets the runtime see when the graph is freed
+        track_release(ctx, inputs[0])
         outs = state.gather()
         frozen = [o for o, d in zip(outs, state.differentiable) if not d or not (o.is_floating_point() or o.is_complex())]
         if frozen:
@@ -289,10 +325,10 @@ class Bridge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        ctx.saved_tensors  # raises torch's own error on a second backward without retain_graph
+        enter_backward(ctx)
         state: CallState = ctx.state
         grads_out = state.runtime.backward(state, grads, None, ctx.param_idx)
-        if not _keeps_graph():  # autograd frees ctx's saved tensors as this returns: the workers may free theirs
+        if leave_backward(ctx):  # autograd frees the node as this returns: the workers may free their graphs
             state.runtime.graphs.spent(state.call)
         return (None, None, *grads_out)
 
@@ -382,12 +418,12 @@ class DoubleBridge(torch.autograd.Function):
     def forward(ctx: Any, double: DoubleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         double.ctx = ctx
         ctx.double = double
-        ctx.save_for_backward(inputs[0])  # lets the runtime see when the graph is freed
+        track_release(ctx, inputs[0])
         return tuple(double.values)
 
     @staticmethod
     def backward(ctx: Any, *vs: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        ctx.saved_tensors
+        enter_backward(ctx)
         if torch.is_grad_enabled():
             raise UnsupportedError(
                 "third- and higher-order gradients through a dpool model are not supported (a create_graph=True "
@@ -395,4 +431,7 @@ class DoubleBridge(torch.autograd.Function):
                 "dpool.unwrap(model)"
             )
         double: DoubleState = ctx.double
-        return (None, *double.runtime.double_backward(double, vs))
+        out = double.runtime.double_backward(double, vs)
+        if leave_backward(ctx):
+            double.runtime.graphs.spent(double.call)
+        return (None, *out)

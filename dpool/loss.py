@@ -33,6 +33,7 @@ import cloudpickle
 import torch
 
 from . import gather as _gather
+from .bridge import enter_backward, leave_backward, track_release
 from .errors import DpoolValueError, UnsupportedError
 from .tensors import to_bytes
 
@@ -169,23 +170,25 @@ class LossBridge(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, box: Any, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.box = box
-        ctx.save_for_backward(inputs[0])
+        track_release(ctx, inputs[0])
         return box.value.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        ctx.saved_tensors
+        enter_backward(ctx)
         box = ctx.box
         seed = (grad / box.denom).to(box.value.dtype).reshape(())  # each shard loss's gradient
         guess, box.guess = box.guess, None  # a second backward (retain_graph=True) runs its own round
+        done = None
         if guess is not None:
             done = box.runtime.backward_speculated(box.state, guess, seed, box.crit, box.param_idx)
-            if done is not None:
-                return (None, *done)
-        pieces = [[None] * (idx + 1) for idx in box.indices]
-        for s, idx in enumerate(box.indices):
-            pieces[s][idx] = seed
-        return (None, *box.runtime.backward(box.state, (), pieces, box.param_idx))
+        if done is None:
+            pieces = [[None] * (idx + 1) for idx in box.indices]
+            for s, idx in enumerate(box.indices):
+                pieces[s][idx] = seed
+            done = box.runtime.backward(box.state, (), pieces, box.param_idx)
+        leave_backward(ctx)
+        return (None, *done)
 
 
 class Speculation:

@@ -204,6 +204,33 @@ def test_a_graph_is_kept_for_retain_graph_and_freed_after_a_plain_backward_while
     del loss, other
 
 
+def test_checkpoint_around_the_model_and_saved_tensor_hooks(wrap):
+    """torch.utils.checkpoint around the dpool model, in both modes, trains as around the plain module, and a
+    dpool forward saves no tensor through saved-tensor hooks: the non-reentrant mode recomputed the forward
+    when dpool's node unpacked one (and failed), and save_on_cpu would copy a parameter every step."""
+    from torch.utils.checkpoint import checkpoint
+
+    net = models.make("mlp")
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    for reentrant in (True, False):
+        net.zero_grad()
+        ref.zero_grad()
+        x = torch.randn(6, 12, dtype=torch.float64, requires_grad=True)
+        rx = x.detach().clone().requires_grad_()
+        checkpoint(model, x, use_reentrant=reentrant).pow(2).sum().backward()
+        checkpoint(ref, rx, use_reentrant=reentrant).pow(2).sum().backward()
+        torch.testing.assert_close(x.grad, rx.grad)
+        for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"use_reentrant={reentrant}, {n}: {m}")
+        assert [w["graphs_kept"] for w in model.stats(inspect=True)["workers"]] == [0, 0]
+    packed: list = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = model(torch.randn(6, 12, dtype=torch.float64))
+    assert packed == []
+    out.sum().backward()
+
+
 def test_no_grad_inference_mode_and_no_graph_kept(wrap):
     model = wrap(models.make("mlp"))
     x = torch.randn(8, 12, dtype=torch.float64)
