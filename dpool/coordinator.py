@@ -67,6 +67,9 @@ from .transport.shm import check_free
 
 __all__ = ["Runtime"]
 
+# the innermost torch.func transform this thread is inside (None: none); absent from older torch
+_TRANSFORMS = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
 log = logging.getLogger("dpool")
 
 _SEED_RANGE = 1 << 62
@@ -296,6 +299,17 @@ class Runtime:
                 "the weights, metrics, counters) outside the model.", stacklevel=_user_stacklevel())
 
     @staticmethod
+    def _refuse_transform() -> None:
+        """A call inside a torch.func transform (vmap, grad, jacrev, jvp, hessian): its inputs are the
+        transform's wrapped tensors, which cannot travel, and the workers' forward runs outside it. Refused
+        before anything is sent (torch's own errors came from deep inside the input copy and said nothing)."""
+        raise UnsupportedError(
+            "the dpool model was called inside a torch.func transform (vmap, grad, jacrev, jvp, hessian): the "
+            "forward runs in dpool's worker processes, which the transform cannot follow. Apply the transform to "
+            "dpool.unwrap(model) (the plain module, in this process), or call the model outside it and use "
+            "loss.backward() / torch.autograd.grad for gradients.")
+
+    @staticmethod
     def _refuse_dual(tensors: Sequence[torch.Tensor]) -> None:
         """Forward-mode AD: the shards travel as plain data, so a dual input's tangent would be dropped and the
         output would come back without one. Refused rather than lost."""
@@ -452,8 +466,14 @@ class Runtime:
         return {i: cloudpickle.loads(replies[i].result) for i in indices}
 
     # ------------------------------------------------------------------ rounds and their failures
+    def _unsent(self) -> None:
+        """Building a round's messages failed: forget the segments made for it (no worker will map them)."""
+        self.io.rollback()
+        self.pool.unlink_segments()
+
     def _request(self, msgs: Mapping[int, P.Message], stage: str) -> dict[int, Any]:
         """``pool.request`` that, on a dead or hung worker, restarts it (``max_restarts``) or breaks the pool."""
+        self.io.commit()  # the segments made for these messages are named in them
         try:
             return self._lost_contexts(self.pool.request(msgs, stage))
         except (WorkerDiedError, WorkerTimeoutError) as exc:
@@ -578,6 +598,8 @@ class Runtime:
     # ------------------------------------------------------------------ forward
     @_one_call_at_a_time
     def forward(self, args: tuple, kwargs: dict) -> Any:
+        if _TRANSFORMS is not None and _TRANSFORMS() is not None:
+            self._refuse_transform()
         if self.nodes is not None and torch.is_grad_enabled() and self.module.training and not self.no_sync:
             return self._synced(lambda: self._forward(args, kwargs, True))
         return self._forward(args, kwargs, False)
@@ -673,7 +695,7 @@ class Runtime:
                                     self.layout.buffer_range is not None, seg.ref(), out.ref(), spec, metas, s,
                                     world, not self.gather_outputs, autocast, release, seed, together)
         except BaseException:
-            pool.unlink_segments()  # segments made for this call were never announced to a worker
+            self._unsent()
             self.graphs.release(release)
             raise
         try:
@@ -683,7 +705,11 @@ class Runtime:
             self.stats.split_round("forward", pool.sent_at, pool.arrived, replies, k)
             fetch = {s: r.need for s, r in replies.items() if r.need}
             if fetch:
-                fmsgs = {s: P.Fetch(call, self.io.ensure(s, "out", need).ref()) for s, need in fetch.items()}
+                try:
+                    fmsgs = {s: P.Fetch(call, self.io.ensure(s, "out", need).ref()) for s, need in fetch.items()}
+                except BaseException:
+                    self._unsent()
+                    raise
                 fetched = self._request(fmsgs, "returning outputs")
                 pool.unlink_segments()
                 self._raise_failures(fetched, "forward")
@@ -792,16 +818,22 @@ class Runtime:
         if speculate:
             self._slot_gen += 1  # the workers write their slots in this round, whatever its outcome
         together = pool.together(k)
-        for s in range(k):
-            placer = Placer()
-            offs = [placer.reserve(t) for t in shards[s]]
-            seg, start = self.io.input_region(s, placer.offset)
-            metas = [Placer.write(seg.views, start + o, t) for o, t in zip(offs, shards[s])]
-            # the loss graph may save the targets: keep their region until the call is released
-            self.io.keep(s, (state.call, "targets", id(seg), start), (seg, start, start + placer.offset))
-            gin = self.io.ensure(s, "gin", state.gin_sizes[s]).ref() if speculate else [None, 0]
-            msgs[s] = P.Criterion(state.call, fn, spec, metas, seg.ref(), seed, seed_dtype, gin, pool.step,
-                                  flags, together)
+        spans = []
+        try:
+            for s in range(k):
+                placer = Placer()
+                offs = [placer.reserve(t) for t in shards[s]]
+                seg, start = self.io.input_region(s, placer.offset)
+                metas = [Placer.write(seg.views, start + o, t) for o, t in zip(offs, shards[s])]
+                spans.append((seg, start, start + placer.offset))
+                gin = self.io.ensure(s, "gin", state.gin_sizes[s]).ref() if speculate else [None, 0]
+                msgs[s] = P.Criterion(state.call, fn, spec, metas, seg.ref(), seed, seed_dtype, gin, pool.step,
+                                      flags, together)
+        except BaseException:
+            self._unsent()
+            raise
+        for s, span in enumerate(spans):  # the loss graph may save the targets: kept until the call is released
+            self.io.keep(s, (state.call, "targets", id(span[0]), span[1]), span)
         replies = self._request(msgs, "computing the loss")
         pool.unlink_segments()
         self._raise_failures(replies, "criterion")
@@ -850,8 +882,12 @@ class Runtime:
         self.pool.check_usable()
         if not self.graphs.kept(state.call):
             raise RuntimeError("the outputs of this forward are no longer on the workers (released or restarted)")
-        msgs = {s: P.Fetch(state.call, self.io.ensure(s, "out", sum(
-            meta_nbytes(m) for m in state.metas[s]) or 64).ref()) for s in range(state.k)}
+        try:
+            msgs = {s: P.Fetch(state.call, self.io.ensure(s, "out", sum(
+                meta_nbytes(m) for m in state.metas[s]) or 64).ref()) for s in range(state.k)}
+        except BaseException:
+            self._unsent()
+            raise
         replies = self._request(msgs, "returning outputs")
         self.pool.unlink_segments()
         self._raise_failures(replies, "gather")
@@ -967,16 +1003,21 @@ class Runtime:
         flags = bytes(p.requires_grad for p in self.params)  # accumulate as one process would now
         drop = self._held.cleared(self.params) if self._workers_hold else b""  # (zero_grad() since: dropped)
         together = pool.together(k)
-        for s in range(k):
-            mine = per_shard[s]
-            placer = Placer()
-            offs: list[Any] = [placer.reserve(g) if g is not None else None for g in mine]
-            seg = self.io.ensure(s, "gout", placer.offset)
-            gmetas = [Placer.write(seg.views, o, g.detach()) if g is not None else None for o, g in zip(offs, mine)]
-            gin = self.io.ensure(s, "gin", gin_sizes[s])
-            sparse = self.io.segment(s, "sparse")
-            msgs[s] = P.Backward(call, pool.step, seg.ref(), gmetas, gin.ref(), hold,
-                                 sparse.ref() if sparse is not None else [None, 0], keep, flags, together, drop)
+        try:
+            for s in range(k):
+                mine = per_shard[s]
+                placer = Placer()
+                offs: list[Any] = [placer.reserve(g) if g is not None else None for g in mine]
+                seg = self.io.ensure(s, "gout", placer.offset)
+                gmetas = [Placer.write(seg.views, o, g.detach()) if g is not None else None
+                          for o, g in zip(offs, mine)]
+                gin = self.io.ensure(s, "gin", gin_sizes[s])
+                sparse = self.io.segment(s, "sparse")
+                msgs[s] = P.Backward(call, pool.step, seg.ref(), gmetas, gin.ref(), hold,
+                                     sparse.ref() if sparse is not None else [None, 0], keep, flags, together, drop)
+        except BaseException:
+            self._unsent()
+            raise
         self._slot_gen += 1  # the slots are written from here on, whatever the outcome
         if hold:
             self._workers_hold = True
@@ -993,8 +1034,12 @@ class Runtime:
         self.stats.split_round("backward", pool.sent_at, pool.arrived, replies, k)
         need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}
         if need:  # sparse gradients larger than the sparse segment (or the first ones): grow it, fetch them
-            fetched = self._request({s: P.FetchSparse(call, self.io.ensure(s, "sparse", n).ref())
-                                     for s, n in need.items()}, "returning sparse gradients")
+            try:
+                fmsgs = {s: P.FetchSparse(call, self.io.ensure(s, "sparse", n).ref()) for s, n in need.items()}
+            except BaseException:
+                self._unsent()
+                raise
+            fetched = self._request(fmsgs, "returning sparse gradients")
             pool.unlink_segments()
             self._raise_failures(fetched, "backward")
             for s, r in fetched.items():

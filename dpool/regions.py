@@ -12,6 +12,14 @@ tensors, which are views of ``in``. So each call's input span is recorded
 are placed after every span still kept in the current ``in`` segment; when
 they do not fit, a new segment is made and the old one lives as long as the
 spans in it.
+
+A worker maps a segment by its name when a request first names it, and the
+coordinator unlinks every name after each request. So a segment made while the
+messages of a round were built, when building failed before the round was sent,
+could never be mapped: the next round would name it after its unlink (the
+worker: "No such file or directory", at every call). :meth:`IORegions.rollback`
+puts back the segments each role had before; :meth:`IORegions.commit` (at the
+send) keeps the new ones.
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ class IORegions:
         self._new = new_segment
         self._segs: list[dict[str, Any]] = [dict.fromkeys(ROLES) for _ in range(n)]
         self._kept: list[dict[Hashable, Span]] = [{} for _ in range(n)]
+        self._made: list[tuple[int, str, Any]] = []  # (worker, role, the segment it replaced) since commit()
 
     def segment(self, w: int, role: str) -> Any:
         """Worker ``w``'s current segment for ``role`` (``None`` before its first use)."""
@@ -51,8 +60,22 @@ class IORegions:
         """Worker ``w``'s segment for ``role``, replaced by a larger one if it holds fewer than ``need`` bytes."""
         seg = self._segs[w][role]
         if seg is None or seg.size < need:
-            seg = self._segs[w][role] = self._new(w, _grown(need, seg))
+            new = self._new(w, _grown(need, seg))
+            self._made.append((w, role, seg))
+            seg = self._segs[w][role] = new
         return seg
+
+    def commit(self) -> None:
+        """The segments made since the last commit are named in a round being sent: keep them."""
+        if self._made:
+            self._made.clear()
+
+    def rollback(self) -> None:
+        """Building a round failed before it was sent: each role gets back the segment it had before (the
+        new ones were never named to a worker, and their names are unlinked after the next request)."""
+        for w, role, old in reversed(self._made):
+            self._segs[w][role] = old
+        self._made.clear()
 
     def _input_start(self, w: int) -> tuple[Any, int]:
         seg = self._segs[w]["in"]
@@ -69,7 +92,9 @@ class IORegions:
         """Where ``need`` bytes of new inputs go for worker ``w``: ``(segment, start)``, after every kept span."""
         seg, start = self._input_start(w)
         if seg is None or start + need > seg.size:
-            seg = self._segs[w]["in"] = self._new(w, _grown(need, seg))
+            new = self._new(w, _grown(need, seg))
+            self._made.append((w, "in", seg))
+            seg = self._segs[w]["in"] = new
             start = 0
         return seg, start
 
@@ -90,8 +115,10 @@ class IORegions:
         """Worker ``w`` was replaced: its segments and spans are gone with it."""
         self._segs[w] = dict.fromkeys(ROLES)
         self._kept[w] = {}
+        self._made = [m for m in self._made if m[0] != w]
 
     def clear(self) -> None:
         """Drop every reference to shared memory (at close)."""
         self._segs = []
         self._kept = []
+        self._made = []

@@ -1,6 +1,7 @@
 """Bad input: odd dtypes and layouts, unsupported tensors, shared memory too small, hostile messages."""
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import re
@@ -120,6 +121,51 @@ def test_unsupported_tensors_raise_type_error(identity_pool, kind):
 def test_empty_batch_is_a_clear_value_error(identity_pool):
     with pytest.raises(ValueError, match="empty batch"):
         identity_pool(torch.zeros(0, 3))
+
+
+@pytest.mark.parametrize("transform", ["vmap", "vmap_same", "grad", "jacrev"])
+def test_torch_func_transforms_are_refused_before_anything_is_sent(identity_pool, transform):
+    """Inside vmap or grad the inputs are the transform's wrapped tensors: torch failed deep inside their copy
+    into shared memory, and a vmap(randomness="same") as a pool's first call left it failing at every call."""
+    x = torch.randn(2, 4, 3)
+    run = {
+        "vmap": lambda: torch.func.vmap(identity_pool)(x),
+        "vmap_same": lambda: torch.func.vmap(identity_pool, randomness="same")(x),
+        "grad": lambda: torch.func.grad(lambda t: identity_pool(t)[0].sum())(x[0]),
+        "jacrev": lambda: torch.func.jacrev(lambda t: identity_pool(t)[0])(x[0]),
+    }[transform]
+    with pytest.raises(dpool.UnsupportedError, match=r"inside a torch\.func transform.*dpool\.unwrap\(model\)"):
+        run()
+    with torch.no_grad():
+        assert torch.equal(identity_pool(x[0])[0], x[0])  # still usable
+
+
+def test_a_round_whose_messages_fail_to_build_leaves_the_pool_usable(wrap):
+    """A backward whose output gradient fails to copy into a worker's new gradient segment: the segment was
+    never named to the worker, but the next request unlinked its name, and every later backward failed
+    ("No such file or directory"). The segments made for a round that was not sent are forgotten now."""
+    class Unwritable(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.copy_:
+                raise RuntimeError("this gradient cannot be copied")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    out = model(torch.randn(6, 4, dtype=torch.float64))  # the pool's first backward makes its segments
+    with pytest.raises(RuntimeError, match="cannot be copied"):
+        out.backward(torch.ones(6, 3, dtype=torch.float64).as_subclass(Unwritable))
+    for _ in range(2):
+        x = torch.randn(6, 4, dtype=torch.float64)
+        for m in (net, ref):
+            m.zero_grad()
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        for (n, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, rp.grad, msg=n)
 
 
 def test_shared_memory_too_small_is_reported_before_writing(identity_pool):
