@@ -47,8 +47,8 @@ from .buffers import BufferCommit
 from .config import Config
 from .cpus import physical_cores
 from .crossnode import FORWARD, CrossNode, CrossNodeReducer
-from .errors import (DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError, WorkerDiedError, WorkerStartError,
-                     WorkerTimeoutError, remote_error)
+from .errors import (DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError, WorkerDiedError,
+                     WorkerStartError, WorkerTimeoutError, remote_error)
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
 from .launch import reply_together, wait_spin
 from .layout import Layout
@@ -471,6 +471,20 @@ class Runtime:
         self.io.rollback()
         self.pool.unlink_segments()
 
+    def _fetch_round(self, make: Callable[[int, Any], P.Message], role: str, needs: Mapping[int, int], stage: str,
+                     where: str) -> dict[int, Any]:
+        """A round that fetches what did not fit in a reply: worker ``s``'s ``role`` segment grown to
+        ``needs[s]`` bytes and named in its message ``make(s, ref)``; the replies, failures raised."""
+        try:
+            msgs = {s: make(s, self.io.ensure(s, role, n).ref()) for s, n in needs.items()}
+        except BaseException:
+            self._unsent()
+            raise
+        replies = self._request(msgs, stage)
+        self.pool.unlink_segments()
+        self._raise_failures(replies, where)
+        return replies
+
     def _request(self, msgs: Mapping[int, P.Message], stage: str) -> dict[int, Any]:
         """``pool.request`` that, on a dead or hung worker, restarts it (``max_restarts``) or breaks the pool."""
         self.io.commit()  # the segments made for these messages are named in them
@@ -705,14 +719,8 @@ class Runtime:
             self.stats.split_round("forward", pool.sent_at, pool.arrived, replies, k)
             fetch = {s: r.need for s, r in replies.items() if r.need}
             if fetch:
-                try:
-                    fmsgs = {s: P.Fetch(call, self.io.ensure(s, "out", need).ref()) for s, need in fetch.items()}
-                except BaseException:
-                    self._unsent()
-                    raise
-                fetched = self._request(fmsgs, "returning outputs")
-                pool.unlink_segments()
-                self._raise_failures(fetched, "forward")
+                fetched = self._fetch_round(lambda s, ref: P.Fetch(call, ref), "out", fetch, "returning outputs",
+                                            "forward")
                 for s, r in fetched.items():
                     replies[s].tensors = r.tensors
         except BaseException:
@@ -882,15 +890,9 @@ class Runtime:
         self.pool.check_usable()
         if not self.graphs.kept(state.call):
             raise RuntimeError("the outputs of this forward are no longer on the workers (released or restarted)")
-        try:
-            msgs = {s: P.Fetch(state.call, self.io.ensure(s, "out", sum(
-                meta_nbytes(m) for m in state.metas[s]) or 64).ref()) for s in range(state.k)}
-        except BaseException:
-            self._unsent()
-            raise
-        replies = self._request(msgs, "returning outputs")
-        self.pool.unlink_segments()
-        self._raise_failures(replies, "gather")
+        sizes = {s: sum(meta_nbytes(m) for m in state.metas[s]) or 64 for s in range(state.k)}
+        replies = self._fetch_round(lambda s, ref: P.Fetch(state.call, ref), "out", sizes, "returning outputs",
+                                    "gather")
         state.metas = [replies[s].tensors for s in range(state.k)]
         state.outs = [self.io.segment(s, "out") for s in range(state.k)]
         idx = [i for i, p in enumerate(self.params) if p.requires_grad]
@@ -1034,14 +1036,8 @@ class Runtime:
         self.stats.split_round("backward", pool.sent_at, pool.arrived, replies, k)
         need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}
         if need:  # sparse gradients larger than the sparse segment (or the first ones): grow it, fetch them
-            try:
-                fmsgs = {s: P.FetchSparse(call, self.io.ensure(s, "sparse", n).ref()) for s, n in need.items()}
-            except BaseException:
-                self._unsent()
-                raise
-            fetched = self._request(fmsgs, "returning sparse gradients")
-            pool.unlink_segments()
-            self._raise_failures(fetched, "backward")
+            fetched = self._fetch_round(lambda s, ref: P.FetchSparse(call, ref), "sparse", need,
+                                        "returning sparse gradients", "backward")
             for s, r in fetched.items():
                 replies[s].sparse = r.sparse
         self.stats.backward([replies[s].busy for s in range(k)],
