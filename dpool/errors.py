@@ -218,7 +218,9 @@ class UnpicklableModelError(DpoolError, TypeError):
 
 
 class ModelChangedError(DpoolError, RuntimeError):
-    """The master changed after ``wrap()`` in a way the replicas cannot follow (close and wrap again)."""
+    """The master changed after ``wrap()`` in a way the replicas cannot follow: a parameter's shape, dtype or
+    device (close and wrap again), or a parameter changed in place between a forward and its backward (run
+    the backward first, or the forward again)."""
 
 
 class GatherError(DpoolError, RuntimeError):
