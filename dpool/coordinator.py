@@ -332,7 +332,7 @@ class Runtime:
                 "the hook on the model's modules instead (module.register_forward_hook(...)): those travel "
                 "with the model.", stacklevel=_user_stacklevel())
 
-    def _warn_relaid(self, names: list[str]) -> None:
+    def _warn_relaid(self, names: Sequence[str]) -> None:
         """Say once per tensor that a new memory format given to it after wrap() (``model.to(memory_format=
         torch.channels_last)``) was not kept: its shared copy keeps the layout it had at wrap()."""
         new = [n for n in names if n not in self._warned_relaid]

@@ -60,9 +60,14 @@ class IORegions:
         """Worker ``w``'s segment for ``role``, replaced by a larger one if it holds fewer than ``need`` bytes."""
         seg = self._segs[w][role]
         if seg is None or seg.size < need:
-            new = self._new(w, _grown(need, seg))
-            self._made.append((w, role, seg))
-            seg = self._segs[w][role] = new
+            seg = self._replace(w, role, need)
+        return seg
+
+    def _replace(self, w: int, role: str, need: int) -> Any:
+        """A new, larger segment for worker ``w``'s ``role``, journaled until :meth:`commit`."""
+        old = self._segs[w][role]
+        seg = self._segs[w][role] = self._new(w, _grown(need, old))
+        self._made.append((w, role, old))
         return seg
 
     def commit(self) -> None:
@@ -92,10 +97,7 @@ class IORegions:
         """Where ``need`` bytes of new inputs go for worker ``w``: ``(segment, start)``, after every kept span."""
         seg, start = self._input_start(w)
         if seg is None or start + need > seg.size:
-            new = self._new(w, _grown(need, seg))
-            self._made.append((w, "in", seg))
-            seg = self._segs[w]["in"] = new
-            start = 0
+            seg, start = self._replace(w, "in", need), 0
         return seg, start
 
     def keep(self, w: int, key: Hashable, span: Span) -> None:

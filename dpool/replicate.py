@@ -527,14 +527,14 @@ class Master:
                     moved.add(i)
         self._move_aliases(moved)
 
-    def check_bindings(self) -> list[str]:
+    def check_bindings(self) -> tuple[str, ...]:
         """Re-attach tensors the user replaced (``p.data = ...``, ``load_state_dict(assign=True)``,
         ``module.to(memory_format=...)``); return the names of those that came in another memory format,
         which their shared copy does not take (it keeps the layout it was given at ``wrap()``)."""
-        relaid = []
+        relaid: tuple[str, ...] = ()  # (the empty tuple is shared: nothing is made before every forward)
         for i, t in enumerate(self.params + self.buffers):
             if t.data_ptr() != self._ptrs[i] and self._rebind(i, t):
-                relaid.append((self.param_names + self.buffer_names)[i])
+                relaid += ((self.param_names + self.buffer_names)[i],)
         return relaid
 
     def _rebind(self, i: int, t: torch.Tensor) -> bool:
