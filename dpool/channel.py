@@ -14,7 +14,14 @@ and the daemon's clients (a DEALER per request) all talk through
   types, in that order);
 * sequence numbers: every message sent carries the next one, and a message
   received must carry a higher one than the last from the same peer
-  (replay and reordering protection, step 5 of the protocol's receive order).
+  (replay and reordering protection, step 5 of the protocol's receive order);
+  a reply also names the request it answers (``re``, see :mod:`dpool.protocol`);
+* sends that an exception cut short (Ctrl-C lands between any two bytecodes):
+  the number is taken before anything is sent, so a cut send skips one and
+  never repeats one; and a ROUTER message is two frames (routing id, then the
+  message), so a send cut between them is ended by the next send with an
+  empty frame, which the peer drops unseen. Otherwise the next message would
+  be glued to the cut one, and both peers would wait for messages never sent.
 
 A frame that fails any check is never decoded further and never answered;
 :attr:`Channel.rejected` counts them and ``on_reject`` reports them the way
@@ -43,6 +50,19 @@ _RCVMORE = int(zmq.RCVMORE)
 # copy thresholds) around the Cython methods; calling those directly saves about a microsecond per frame.
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
+
+
+_CUT = [b""]
+
+
+def _end_cut_message(sock: zmq.Socket) -> None:
+    """End a ROUTER message of which only the routing frame was queued: an empty frame completes it, and
+    the peer drops an empty message. If not even the routing frame was queued, a lone frame is no message
+    and libzmq drops it (with or without ``ROUTER_MANDATORY``)."""
+    try:
+        _send(sock, b"", _NOBLOCK)
+    except zmq.ZMQError:  # the peer is gone or full: the cut message goes with it
+        pass
 
 
 class Channel:
@@ -74,7 +94,10 @@ class Channel:
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self.sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
         self._seq_out = 0
+        self._open = False  # a ROUTER send is under way (or was cut short) between its two frames
         self._seen: dict[bytes, int] = {}  # peer → highest sequence number accepted from it
+        self.last_seq = 0  # of the message recv() and recv_nowait() returned last
+        self.last_re = 0  # the request that message answers (0: not a reply)
         self.rejected = 0
         self._on_reject = on_reject
 
@@ -98,14 +121,26 @@ class Channel:
         self._seen.pop(peer, None)
 
     # ------------------------------------------------------------------ sending
-    def send(self, msg: P.Message, peer: bytes | None = None, flags: int = 0) -> None:
-        """Send ``msg`` (to ``peer`` on a ROUTER). Raises :class:`zmq.ZMQError` when it cannot be sent."""
-        frame = self.codec.encode(msg, self._seq_out + 1)
-        flags = int(flags)
-        if peer is not None:
-            _send(self.sock, peer, _SNDMORE | flags)
-        _send(self.sock, frame, flags)
+    def next_seq(self) -> int:
+        """A sequence number no other message of this channel gets, for :meth:`send`'s ``seq``."""
         self._seq_out += 1
+        return self._seq_out
+
+    def send(self, msg: P.Message, peer: bytes | None = None, flags: int = 0, seq: int = 0, re: int = 0) -> None:
+        """Send ``msg`` (to ``peer`` on a ROUTER), numbered ``seq`` (0: the next number), answering the
+        request numbered ``re``. Raises :class:`zmq.ZMQError` when it cannot be sent."""
+        frame = self.codec.encode(msg, seq or self.next_seq(), re)
+        flags = int(flags)
+        if peer is None:
+            _send(self.sock, frame, flags)
+            return
+        sock = self.sock
+        if self._open:  # an earlier send was cut between its frames: end that message (its peer drops it)
+            _end_cut_message(sock)
+        self._open = True
+        _send(sock, peer, _SNDMORE | flags)
+        _send(sock, frame, flags)
+        self._open = False
 
     def try_send(self, msg: P.Message, peer: bytes | None = None) -> bool:
         """Send without blocking; ``False`` when the peer is gone or its queue is full."""
@@ -160,8 +195,10 @@ class Channel:
     def _accept(self, frames: list[bytes]) -> tuple[bytes, P.Message] | None:
         peer = frames[0] if self.router else b""
         body = frames[1:] if self.router else frames
+        if body == _CUT:  # the end of a message whose send was cut short (see send): nothing in it
+            return None
         try:
-            seq, msg = self.codec.decode(body)
+            seq, re, msg = self.codec.decode(body)
             if seq <= self._seen.get(peer, -1):
                 raise ProtocolError(f"replayed or reordered message (seq {seq} ≤ {self._seen[peer]})")
         except ProtocolError as exc:
@@ -170,6 +207,7 @@ class Channel:
                 self._on_reject(peer, exc)
             return None
         self._seen[peer] = seq
+        self.last_seq, self.last_re = seq, re
         return peer, msg
 
     # ------------------------------------------------------------------ end

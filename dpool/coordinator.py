@@ -487,10 +487,18 @@ class Runtime:
 
     def _request(self, msgs: Mapping[int, P.Message], stage: str) -> dict[int, Any]:
         """``pool.request`` that, on a dead or hung worker, restarts it (``max_restarts``) or breaks the pool."""
+        sent = self.pool.rounds_sent
         self.io.commit()  # the segments made for these messages are named in them
         try:
             return self._lost_contexts(self.pool.request(msgs, stage))
-        except (WorkerDiedError, WorkerTimeoutError) as exc:
+        except BaseException as exc:
+            if self.pool.rounds_sent == sent:
+                # Cut short while sending (Ctrl-C): some workers may never see the segments these messages
+                # name, and the next request unlinks every name. Those workers start over with new ones.
+                for w in msgs:
+                    self.io.reset(w)
+            if not isinstance(exc, (WorkerDiedError, WorkerTimeoutError)):
+                raise
             dead = getattr(exc, "workers", None) or [exc.worker]
             if self.restarts_left >= len(dead):
                 self.restarts_left -= len(dead)

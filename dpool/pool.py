@@ -124,6 +124,10 @@ log = logging.getLogger("dpool")
 # spinning; longer ones by sleeping in the poll (NOTE [ spinning through short rounds ]).
 SPIN_ROUNDS_UP_TO_S = 1e-3
 
+# What a worker sends that answers no request of a round: its first word, its collectives' and buckets'
+# reports within a request, and the answer to a shutdown told outside any round.
+_NOT_REPLIES = (P.Hello, P.AllReduce, P.BucketReady, P.ServeDone)
+
 
 def _call_weakly(method: weakref.WeakMethod, *args: Any) -> None:
     """Call ``method`` if its object is still alive (a callback that must not keep the object alive)."""
@@ -167,7 +171,10 @@ class Pool:
         # called with (worker index, call, bucket) from inside the round's wait.
         self.on_bucket: Callable[[int, int, int], None] | None = None
         self.key = secrets.token_bytes(32)
-        self._pending = [0] * len(self.devices)
+        # the number of the latest request sent to each worker: only the reply that names it (its ``re``) is
+        # that request's; a reply owed to a round that Ctrl-C or a failed send abandoned is dropped
+        self._asked = [-1] * len(self.devices)
+        self.rounds_sent = 0  # rounds whose every request left (a cut round may have reached only some workers)
         # the latest round's timestamps (time.monotonic(), the clock the workers' replies use too): when
         # its first request left, and when each worker's reply was read (see dpool.stats.Stats.split_round)
         self.sent_at = 0.0
@@ -275,7 +282,7 @@ class Pool:
             w = Worker(idx, old.device, self._generation)
             self.workers[idx] = w
             self.exiting.discard(idx)
-            self._pending[idx] = 0
+            self._asked[idx] = -1
             self._beats[idx] = time.monotonic_ns()
             self.launcher.respawn(self, w)
         try:
@@ -420,10 +427,11 @@ class Pool:
                 self.sent_at = time.monotonic()
                 for idx, msg in msgs.items():
                     self._send(idx, msg)
+                self.rounds_sent += 1
                 return self._wait(set(msgs), stage, loading)
             # On WorkerDiedError / WorkerTimeoutError the caller either respawns the worker
             # (max_restarts) or calls break_pool(). KeyboardInterrupt and friends leave the pool
-            # usable: replies still owed are discarded later (see _pending).
+            # usable: replies still owed are dropped when they come (see _asked).
             finally:
                 self._in_round = False
                 if self._closed:
@@ -431,11 +439,11 @@ class Pool:
 
     def _send(self, idx: int, msg: P.Message) -> None:
         w = self.workers[idx]
+        seq = self._asked[idx] = self.chan.next_seq()  # before the send: an exception may cut it anywhere
         try:
-            self.chan.send(msg, w.ident)
+            self.chan.send(msg, w.ident, seq=seq)
         except zmq.ZMQError as exc:
             raise self.launcher.death(self, w, f"sending {msg.op}", (), f" (send failed: {exc})") from None
-        self._pending[idx] += 1
 
     def tell(self, w: Worker, msg: P.Message) -> bool:
         """Send ``msg`` to ``w`` outside a round, without blocking or raising; whether it was sent."""
@@ -471,13 +479,8 @@ class Pool:
             if isinstance(msg, P.Output):  # an attached worker's prints: shown as spawned workers' are
                 show_output(f"dpool worker {idx}", msg.text, msg.stream == 2)
                 continue
-            if not isinstance(msg, (P.Hello, P.AllReduce, P.BucketReady)):
-                # A reply. Every reply settles one request, wherever it is read: a reply owed by an
-                # abandoned round (a failed send to another worker, Ctrl-C) is dropped here, and the
-                # reply to the current request is the one that brings the count to zero.
-                self._pending[idx] -= 1
-                if self._pending[idx] > 0:
-                    continue
+            if self.chan.last_re != self._asked[idx] and not isinstance(msg, _NOT_REPLIES):
+                continue  # owed by an abandoned round (Ctrl-C, a failed send to another worker): dropped
             return idx, msg
 
     def _index_of(self, ident: bytes) -> int:

@@ -10,8 +10,12 @@ cost on a control message, and four of them are computed per worker per step.
 
 One frame rather than two saves a send and a receive per message on the hot path.
 
-The payload is a msgpack array ``[version, op, seq, body]`` where ``body`` is
-the list of the message's fields in declaration order. Tensor bytes never
+The payload is a msgpack array ``[version, op, seq, re, body]`` where ``body`` is
+the list of the message's fields in declaration order, and ``re`` is the ``seq``
+of the request a reply answers (0 on every other message). The coordinator takes
+a reply as the answer to its current request only if ``re`` names that request,
+so a reply still owed to a round that Ctrl-C cut short is never taken for the
+next one's. Tensor bytes never
 travel here: messages only say *where* in shared memory a tensor lies
 (``TensorMeta``).
 
@@ -95,7 +99,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 11  # 11: forward_done names the attributes the forward set to tensors requiring grad;
+PROTOCOL_VERSION = 12  # 12: the envelope carries ``re``, the request a reply answers
+# 11: forward_done names the attributes the forward set to tensors requiring grad;
 # backward may drop gradients the worker holds (zero_grad() during no_sync())
 # 10: backward_done and criterion_done list the buffers the backward updated in place;
 # forward_done lists the parameters whose .data the forward replaced
@@ -228,7 +233,7 @@ class Boot(Message):
 
     def pack(self) -> bytes:
         """The boot message as it travels: not authenticated (the pipe is private), but typed and versioned."""
-        return msgpack.packb([PROTOCOL_VERSION, self.op, 0, self.body()], use_bin_type=True)
+        return msgpack.packb([PROTOCOL_VERSION, self.op, 0, 0, self.body()], use_bin_type=True)
 
     @staticmethod
     def unpack(data: bytes) -> "Boot":
@@ -237,7 +242,7 @@ class Boot(Message):
             obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
         except Exception as exc:
             raise ProtocolError(f"undecodable boot message: {type(exc).__name__}: {exc}") from None
-        _, msg = Codec._validate(obj)
+        _, _, msg = Codec._validate(obj)
         if not isinstance(msg, Boot):
             raise ProtocolError(f"expected a boot message, got {msg.op!r}")
         return msg
@@ -735,12 +740,13 @@ class Codec:
     def _mac(self, payload: bytes) -> bytes:
         return mac(self._key, payload)
 
-    def encode(self, msg: Message, seq: int) -> bytes:
-        payload = self._pack([PROTOCOL_VERSION, msg.op, seq, msg._values(msg)])  # type: ignore[call-arg]
+    def encode(self, msg: Message, seq: int, re: int = 0) -> bytes:
+        """The frame of ``msg``, numbered ``seq``; a reply names its request's ``seq`` as ``re``."""
+        payload = self._pack([PROTOCOL_VERSION, msg.op, seq, re, msg._values(msg)])  # type: ignore[call-arg]
         return self._mac(payload) + payload
 
-    def decode(self, frames: list[bytes]) -> tuple[int, Message]:
-        """Authenticate, then decode. Raises :class:`ProtocolError` / :class:`AuthError`."""
+    def decode(self, frames: list[bytes]) -> tuple[int, int, Message]:
+        """Authenticate, then decode: ``(seq, re, message)``. Raises :class:`ProtocolError` / :class:`AuthError`."""
         if len(frames) != 1:
             raise ProtocolError(f"expected 1 frame (mac + payload), got {len(frames)}")
         frame = frames[0]
@@ -761,10 +767,10 @@ class Codec:
         return self._validate(obj)
 
     @staticmethod
-    def _validate(obj: Any) -> tuple[int, Message]:
-        if not isinstance(obj, list) or len(obj) != 4:
-            raise ProtocolError("message is not a [version, op, seq, body] array")
-        version, op, seq, body = obj
+    def _validate(obj: Any) -> tuple[int, int, Message]:
+        if not isinstance(obj, list) or len(obj) != 5:
+            raise ProtocolError("message is not a [version, op, seq, re, body] array")
+        version, op, seq, re, body = obj
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
                 f"dpool protocol {version!r} peer cannot talk to protocol {PROTOCOL_VERSION}; "
@@ -775,6 +781,8 @@ class Codec:
             raise ProtocolError(f"unknown op {op!r}")
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
             raise ProtocolError(f"bad sequence number {seq!r}")
+        if not isinstance(re, int) or isinstance(re, bool) or re < 0:
+            raise ProtocolError(f"bad reply number {re!r}")
         if not isinstance(body, list) or len(body) != len(cls._names):
             raise ProtocolError(f"{op}: expected {len(cls._names)} fields")
         for i, name, exact in cls._checks:
@@ -783,7 +791,7 @@ class Codec:
                 body[i] = _metas(op, name, value)
             elif type(value) not in exact:
                 raise ProtocolError(f"{op}.{name}: unexpected {type(value).__name__}")
-        return seq, cls(*body)
+        return seq, re, cls(*body)
 
 
 def _metas(op: str, name: str, value: Any) -> list:

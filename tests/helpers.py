@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -97,3 +98,65 @@ def dataparallel(module: torch.nn.Module) -> torch.nn.DataParallel:
     compare against that module afterwards, so it goes back.
     """
     return torch.nn.DataParallel(module).cpu()
+
+
+class CtrlC:
+    """A real Ctrl-C (SIGINT to this process) just before a chosen instruction of a chosen function.
+
+    Python runs signal handlers between bytecodes, so a user's Ctrl-C can land between any two
+    instructions of dpool's code. :meth:`positions` lists the instructions a call runs in ``fns``.
+    ``with CtrlC(code, offset, skip):`` delivers SIGINT when ``code`` is about to run the instruction
+    at ``offset`` for the ``skip + 1``-th time, with Python's own handler installed (a process started
+    in the background may inherit SIGINT ignored), so :class:`KeyboardInterrupt` is raised there.
+    """
+
+    def __init__(self, code, offset: int, skip: int = 0) -> None:
+        self.code, self.offset, self.skip, self.hit = code, offset, skip, False
+
+    @staticmethod
+    def positions(fns, run) -> list[tuple]:
+        """``(code, offset)`` of every instruction of ``fns`` that ``run()`` executes, in first-run order."""
+        codes = {f.__code__ for f in fns}
+        seen: dict[tuple, None] = {}
+
+        def local(frame, event, arg):
+            if event == "opcode":
+                seen.setdefault((frame.f_code, frame.f_lasti))
+            return local
+
+        def tracer(frame, event, arg):
+            if frame.f_code not in codes:
+                return None
+            frame.f_trace_opcodes = True
+            return local
+
+        sys.settrace(tracer)
+        try:
+            run()
+        finally:
+            sys.settrace(None)
+        return list(seen)
+
+    def _local(self, frame, event, arg):
+        if event == "opcode" and not self.hit and frame.f_lasti == self.offset:
+            if self.skip:
+                self.skip -= 1
+                return self._local
+            self.hit = True
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs at once, inside this trace call
+        return self._local
+
+    def _tracer(self, frame, event, arg):
+        if frame.f_code is not self.code or self.hit:
+            return None
+        frame.f_trace_opcodes = True
+        return self._local
+
+    def __enter__(self) -> "CtrlC":
+        self._handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.settrace(self._tracer)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
+        signal.signal(signal.SIGINT, self._handler)

@@ -195,23 +195,26 @@ V = P.PROTOCOL_VERSION
 HOSTILE = [
     b"\xc1",  # never-used msgpack byte
     msgpack.packb([V, "forward", 1])[:-1],  # truncated
-    msgpack.packb([V, "hello", 1, [0, 1, 1, "t", "p"]]) + b"\x00",  # trailing bytes
+    msgpack.packb([V, "hello", 1, 0, [0, 1, 1, "t", "p"]]) + b"\x00",  # trailing bytes
     b"\xdd\xff\xff\xff\xff",  # array header claiming 2^32-1 items
     b"\x91" * 100_000 + b"\xc0",  # 100k nesting
-    msgpack.packb([V, "hello", 1, [0, 1, 1, b"\xff\xfe".decode("latin-1"), "p"]]).replace(b"\xc3\xbf", b"\xff"),
+    msgpack.packb([V, "hello", 1, 0, [0, 1, 1, b"\xff\xfe".decode("latin-1"), "p"]]).replace(b"\xc3\xbf", b"\xff"),
     msgpack.packb({1: 2}),  # int map key / not an array
     msgpack.packb(msgpack.ExtType(42, b"x")),  # unknown ExtType
-    msgpack.packb([V, "hello", 1, ["zero", 1, 1, "t", "p"]]),  # wrong field type
-    msgpack.packb([V, "hello", 1, [0, 1]]),  # missing fields
-    msgpack.packb([V, "fetch", 1, [True, ["seg", 64]]]),  # a bool where an int is expected
-    msgpack.packb([V, "backward_done", 1, [1, b"\x01", [], 1, [], 0, False]]),  # an int where a float is expected
-    msgpack.packb([V, "fetch", 1, [3, b"seg"]]),  # bytes where a list is expected
-    msgpack.packb([V, "nope", 1, []]),  # unknown op
-    msgpack.packb([V + 1, "hello", 1, [0, 1, 2, "t", "p"]]),  # other protocol version
-    msgpack.packb([V, "hello", -5, [0, 1, 1, "t", "p"]]),  # bad sequence number
-    msgpack.packb([V, "fetch_done", 1, [3, [["float32", [2], 0]]]]),  # tensor meta with a missing field
-    msgpack.packb([V, "fetch_done", 1, [3, [["float32", [2], "0", False]]]]),  # tensor meta offset not an int
-    msgpack.packb([V, "fetch_done", 1, [3, {"a": 1}]]),  # metas not a list
+    msgpack.packb([V, "hello", 1, 0, ["zero", 1, 1, "t", "p"]]),  # wrong field type
+    msgpack.packb([V, "hello", 1, 0, [0, 1]]),  # missing fields
+    msgpack.packb([V, "fetch", 1, 0, [True, ["seg", 64]]]),  # a bool where an int is expected
+    msgpack.packb([V, "backward_done", 1, 0, [1, b"\x01", [], 1, [], 0, False]]),  # an int where a float is expected
+    msgpack.packb([V, "fetch", 1, 0, [3, b"seg"]]),  # bytes where a list is expected
+    msgpack.packb([V, "nope", 1, 0, []]),  # unknown op
+    msgpack.packb([V + 1, "hello", 1, 0, [0, 1, 2, "t", "p"]]),  # other protocol version
+    msgpack.packb([V, "hello", -5, 0, [0, 1, 1, "t", "p"]]),  # bad sequence number
+    msgpack.packb([V, "hello", 1, -1, [0, 1, 1, "t", "p"]]),  # bad reply number
+    msgpack.packb([V, "hello", 1, True, [0, 1, 1, "t", "p"]]),  # a bool where the reply number is expected
+    msgpack.packb([V, "hello", 1, [0, 1, 1, "t", "p"]]),  # the envelope of protocol 11 (no reply number)
+    msgpack.packb([V, "fetch_done", 1, 0, [3, [["float32", [2], 0]]]]),  # tensor meta with a missing field
+    msgpack.packb([V, "fetch_done", 1, 0, [3, [["float32", [2], "0", False]]]]),  # tensor meta offset not an int
+    msgpack.packb([V, "fetch_done", 1, 0, [3, {"a": 1}]]),  # metas not a list
 ]
 
 
@@ -224,8 +227,8 @@ def test_hostile_payloads_are_protocol_errors(payload):
 
 def test_wrong_key_missing_mac_and_oversize():
     codec = P.Codec(KEY, max_bytes=1024)
-    good = msgpack.packb([P.PROTOCOL_VERSION, "shutdown", 1, []])
-    assert isinstance(codec.decode(_frame(good))[1], P.Shutdown)
+    good = msgpack.packb([P.PROTOCOL_VERSION, "shutdown", 1, 0, []])
+    assert isinstance(codec.decode(_frame(good))[2], P.Shutdown)
     with pytest.raises(AuthError):
         codec.decode(_frame(good, key=b"x" * 32))
     with pytest.raises(AuthError):
@@ -236,14 +239,15 @@ def test_wrong_key_missing_mac_and_oversize():
         codec.decode([b"a", b"b"])
     other = P.PROTOCOL_VERSION + 1
     with pytest.raises(ProtocolError, match=f"protocol {other} peer cannot talk to protocol {P.PROTOCOL_VERSION}"):
-        codec.decode(_frame(msgpack.packb([other, "shutdown", 1, []])))
+        codec.decode(_frame(msgpack.packb([other, "shutdown", 1, 0, []])))
 
 
 def test_tensor_metas_arrive_typed():
     """Tensor metas travel as arrays and come out of decode() as TensorMeta (None kept)."""
     codec = P.Codec(KEY)
     meta = P.TensorMeta("float32", [2, 3], 64, True)
-    _, msg = codec.decode([codec.encode(P.BackwardDone(1, b"\x01", [meta, None], 0.5, [], 0, False, 12.5), 7)])
+    seq, re_, msg = codec.decode([codec.encode(P.BackwardDone(1, b"\x01", [meta, None], 0.5, [], 0, False, 12.5), 7, 5)])
+    assert (seq, re_) == (7, 5)  # the reply names the request it answers
     assert msg.input_grads == [meta, None] and isinstance(msg.input_grads[0], P.TensorMeta)
     assert msg.input_grads[0].requires_grad is True and msg.input_grads[0].shape == [2, 3]
 
@@ -264,10 +268,11 @@ _obj = st.recursive(_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(s
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 3), st.sampled_from(sorted(P.MESSAGES)), st.integers(-2, 2**40), _obj)
-def test_fuzz_decode_structured(version, op, seq, body):
+@given(st.integers(0, P.PROTOCOL_VERSION + 1), st.sampled_from(sorted(P.MESSAGES)), st.integers(-2, 2**40),
+       st.integers(-2, 2**40), _obj)
+def test_fuzz_decode_structured(version, op, seq, re_, body):
     try:
-        P.Codec(KEY).decode(_frame(msgpack.packb([version, op, seq, body])))
+        P.Codec(KEY).decode(_frame(msgpack.packb([version, op, seq, re_, body])))
     except ProtocolError:
         pass
 
@@ -297,7 +302,7 @@ def test_foreign_peer_cannot_break_or_feed_the_pool(tmp_path):
         rogue.setsockopt(zmq.ROUTING_ID, pool.workers[0].ident)  # even claiming a worker's identity
         rogue.connect(pool.endpoint)
         evil = pickle.dumps(Canary())
-        payload = msgpack.packb([P.PROTOCOL_VERSION, "call_done", 99, [evil]])
+        payload = msgpack.packb([P.PROTOCOL_VERSION, "call_done", 99, 0, [evil]])
         oversized = [b"\x00" * 32 + b"\x00" * (2 << 20)]  # past ZMQ_MAXMSGSIZE: the peer is cut off
         for frame in ([b"\x00" * 32 + payload], [payload], [b"junk", b"more"], oversized):
             rogue.send_multipart(frame)

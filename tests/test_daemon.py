@@ -263,7 +263,7 @@ def test_relay_on_the_tcp_path_never_sees_the_model_or_a_key(tcp_pool, monkeypat
             back.close()
         ctx.term()
     pool_key = read_key_file(key_file)
-    msgs = [P.Codec(pool_key).decode([f])[1] for f in seen]  # all of it authenticated with the pool key
+    msgs = [P.Codec(pool_key).decode([f])[2] for f in seen]  # all of it authenticated with the pool key
     attach = [m for m in msgs if isinstance(m, P.Attach)]
     assert len(attach) == 1 and any(isinstance(m, P.AttachDone) and m.ok for m in msgs)
     session = P.session_key(pool_key, attach[0].nonce)

@@ -252,15 +252,15 @@ def test_codec_round_trips_typed_messages_and_rejects_tampering():
     codec = P.Codec(key, 1 << 20)
     meta = P.TensorMeta("float32", [2, 3], 64, True)
     msg = P.FetchDone(5, [meta, None])
-    seq, back = codec.decode([codec.encode(msg, 3)])
-    assert seq == 3 and back == msg and isinstance(back.tensors[0], P.TensorMeta)
+    seq, re_, back = codec.decode([codec.encode(msg, 3)])
+    assert seq == 3 and re_ == 0 and back == msg and isinstance(back.tensors[0], P.TensorMeta)
     frame = bytearray(codec.encode(msg, 4))
     frame[-1] ^= 1
     with pytest.raises(dpool.AuthError):
         codec.decode([bytes(frame)])
     with pytest.raises(dpool.AuthError):
         P.Codec(secrets.token_bytes(32)).decode([codec.encode(msg, 5)])
-    bad = msgpack.packb([P.PROTOCOL_VERSION, "fetch_done", 1, [5, [["float32", "not a shape", 0, True]]]])
+    bad = msgpack.packb([P.PROTOCOL_VERSION, "fetch_done", 1, 0, [5, [["float32", "not a shape", 0, True]]]])
     with pytest.raises(dpool.ProtocolError, match="not a tensor meta"):
         P.Codec._validate(msgpack.unpackb(bad, raw=False))
     with pytest.raises(dpool.ProtocolError, match="exceeds"):
@@ -274,9 +274,9 @@ def test_boot_message_is_typed_and_validated():
     with pytest.raises(dpool.ProtocolError):
         P.Boot.unpack(b"\xc1 not msgpack")
     with pytest.raises(dpool.ProtocolError):
-        P.Boot.unpack(msgpack.packb([P.PROTOCOL_VERSION, "boot", 0, ["embedded"]]))
+        P.Boot.unpack(msgpack.packb([P.PROTOCOL_VERSION, "boot", 0, 0, ["embedded"]]))
     with pytest.raises(dpool.ProtocolError, match="expected a boot"):
-        P.Boot.unpack(msgpack.packb([P.PROTOCOL_VERSION, "shutdown", 0, []]))
+        P.Boot.unpack(msgpack.packb([P.PROTOCOL_VERSION, "shutdown", 0, 0, []]))
 
 
 def test_channel_authenticates_orders_and_counts_rejections():
@@ -314,6 +314,52 @@ def test_channel_authenticates_orders_and_counts_rejections():
             ch.close()
         ctx.term()
 
+
+def test_a_send_cut_by_ctrl_c_anywhere_loses_or_glues_no_other_message():
+    """A ROUTER message is two frames; Ctrl-C between them used to leave half a message queued, and the
+    next send was glued to it. At every instruction of the send path, the cut message either arrives
+    whole or not at all, the next messages to both peers arrive, and nothing is rejected."""
+    from dpool import channel
+    from tests.helpers import CtrlC
+
+    ctx = zmq.Context()
+    key = secrets.token_bytes(32)
+    router = Channel(ctx, True, key, 1 << 16, send_timeout_ms=1000)
+    dealers = {name: Channel(ctx, False, key, 1 << 16, ident=name) for name in (b"a", b"b")}
+    try:
+        endpoint = f"inproc://cut-{secrets.token_hex(4)}"
+        router.bind(endpoint)
+        for d in dealers.values():
+            d.connect(endpoint)
+            d.send(P.Hello(0, 1, P.PROTOCOL_VERSION, "t", "p"))
+            assert router.poll(5000) and isinstance(router.recv()[1], P.Hello)
+        sends = [Channel.send, Channel.next_seq, channel._end_cut_message]
+        positions = CtrlC.positions(sends, lambda: router.send(P.Call(b"first"), b"a"))
+        assert dealers[b"a"].poll(5000) and dealers[b"a"].recv()[1] == P.Call(b"first")
+        assert len(positions) > 20
+        for i, (code, offset) in enumerate(positions):
+            cut_msg = P.Call(b"cut %d" % i)
+            with CtrlC(code, offset) as cut:
+                try:
+                    router.send(cut_msg, b"a")
+                except KeyboardInterrupt:
+                    pass
+            assert cut.hit
+            router.send(P.Call(b"b %d" % i), b"b")
+            router.send(P.Call(b"a %d" % i), b"a")
+            got = {}
+            for name, d in dealers.items():
+                got[name] = []
+                while not got[name] or got[name][-1].fn[:1] != name:
+                    assert d.poll(5000), (i, code.co_name, offset, got)
+                    got[name].append(d.recv()[1])
+            assert got[b"b"] == [P.Call(b"b %d" % i)]
+            assert got[b"a"] in ([P.Call(b"a %d" % i)], [cut_msg, P.Call(b"a %d" % i)])
+        assert router.rejected == 0 and all(d.rejected == 0 for d in dealers.values())
+    finally:
+        for ch in (router, *dealers.values()):
+            ch.close()
+        ctx.term()
 
 # ---------------------------------------------------------------------------- the house
 def _dpool_imports() -> dict[str, set[str]]:

@@ -329,8 +329,8 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
         poller.register(client_fd, zmq.POLLIN)
     served = 0
 
-    def send(msg: P.Message, flags: int = 0) -> None:
-        chan.send(msg, None, flags)
+    def send(msg: P.Message, flags: int = 0, re: int = 0) -> None:
+        chan.send(msg, None, flags, re=re)
 
     def recv() -> P.Message:
         """The next authenticated message from the coordinator."""
@@ -362,13 +362,14 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
             sys.stderr = _ToClient(lambda text: send(P.Output(2, text), zmq.NOBLOCK), saved[1])
         while True:
             msg = recv()
+            re = chan.last_seq  # a reply names the request it answers (dpool.protocol: ``re``)
             if isinstance(msg, P.Shutdown):
                 if client_pid is not None and on_gpu:
                     # A daemon's worker outlives its client: it gives the client's GPU memory back (its
                     # imports, see NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc) before the client frees it.
                     del replica
                     drop_imports()
-                    send(P.ServeDone(served, "shutdown"))
+                    send(P.ServeDone(served, "shutdown"), re=re)
                     linger = 2000
                 break
             try:
@@ -381,12 +382,13 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
             except BaseException as exc:  # the model's error travels back as strings
                 stage = replica.stage.replace(" (waiting for its CUDA work)", "")
                 if on_gpu and sticky_error(exc):
-                    _cuda_context_lost(replica, exc, lambda e=exc: send(_failed(stage + P.CONTEXT_LOST, e)), ctx)
+                    _cuda_context_lost(replica, exc, lambda e=exc, r=re: send(_failed(stage + P.CONTEXT_LOST, e), re=r),
+                                       ctx)
                 reply = _failed(stage, exc)
             if rounds is not None and getattr(msg, "together", None):
                 _reply_together(rounds, replica.index, msg.together,
                                 P.TOGETHER_WAIT_S if not isinstance(reply, P.Failed) else 0.0)
-            send(reply)
+            send(reply, re=re)
             if msg.op == "forward":
                 served += 1
                 if steps_slot is not None:
