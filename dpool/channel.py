@@ -142,10 +142,10 @@ class Channel:
         _send(sock, frame, flags)
         self._open = False
 
-    def try_send(self, msg: P.Message, peer: bytes | None = None) -> bool:
+    def try_send(self, msg: P.Message, peer: bytes | None = None, re: int = 0) -> bool:
         """Send without blocking; ``False`` when the peer is gone or its queue is full."""
         try:
-            self.send(msg, peer, _NOBLOCK)
+            self.send(msg, peer, _NOBLOCK, re=re)
             return True
         except zmq.ZMQError:
             return False

@@ -124,9 +124,9 @@ log = logging.getLogger("dpool")
 # spinning; longer ones by sleeping in the poll (NOTE [ spinning through short rounds ]).
 SPIN_ROUNDS_UP_TO_S = 1e-3
 
-# What a worker sends that answers no request of a round: its first word, its collectives' and buckets'
-# reports within a request, and the answer to a shutdown told outside any round.
-_NOT_REPLIES = (P.Hello, P.AllReduce, P.BucketReady, P.ServeDone)
+# What a worker sends outside any request of a round: its first word, and its answer to a shutdown told.
+# Everything else names the request it was sent for (``re``): replies, collectives, bucket reports.
+_UNASKED = (P.Hello, P.ServeDone)
 
 
 def _call_weakly(method: weakref.WeakMethod, *args: Any) -> None:
@@ -431,7 +431,11 @@ class Pool:
                 return self._wait(set(msgs), stage, loading)
             # On WorkerDiedError / WorkerTimeoutError the caller either respawns the worker
             # (max_restarts) or calls break_pool(). KeyboardInterrupt and friends leave the pool
-            # usable: replies still owed are dropped when they come (see _asked).
+            # usable: replies still owed are dropped when they come (see _asked). Either way, workers
+            # waiting in a collective of this round are released (and later ones by _take).
+            except BaseException:
+                self._hub.abort(self._reply)
+                raise
             finally:
                 self._in_round = False
                 if self._closed:
@@ -451,8 +455,10 @@ class Pool:
             return False
         return self.chan.try_send(msg, w.ident)
 
-    def _reply(self, idx: int, msg: P.Message) -> None:
-        self.chan.try_send(msg, self.workers[idx].ident)  # a worker that is gone is reported by its exit sentinel
+    def _reply(self, idx: int, msg: P.Message, re: int | None = None) -> None:
+        """Answer worker ``idx`` within its request ``re`` (default: its latest), without blocking or raising."""
+        # a worker that is gone is reported by its exit sentinel
+        self.chan.try_send(msg, self.workers[idx].ident, self._asked[idx] if re is None else re)
 
     def drain(self) -> list[tuple[int, P.Message]]:
         """Every message from a current worker queued now (replies owed to abandoned rounds are dropped)."""
@@ -479,8 +485,12 @@ class Pool:
             if isinstance(msg, P.Output):  # an attached worker's prints: shown as spawned workers' are
                 show_output(f"dpool worker {idx}", msg.text, msg.stream == 2)
                 continue
-            if self.chan.last_re != self._asked[idx] and not isinstance(msg, _NOT_REPLIES):
-                continue  # owed by an abandoned round (Ctrl-C, a failed send to another worker): dropped
+            if self.chan.last_re != self._asked[idx] and not isinstance(msg, _UNASKED):
+                # sent for a request of a round abandoned since (Ctrl-C, another worker's failure): a reply is
+                # dropped; a worker that waits in a collective of that request is released
+                if isinstance(msg, P.AllReduce):
+                    self._reply(idx, P.AllReduceDone(msg.seq, b"", True), self.chan.last_re)
+                continue
             return idx, msg
 
     def _index_of(self, ident: bytes) -> int:

@@ -462,3 +462,70 @@ def test_ctrl_c_at_any_instruction_of_a_rounds_sends_leaves_the_pool_exact():
     assert r["positions"] > 100 and r["missed"] == 0, r
     assert r["wrong"] == [], r["wrong"][:10]
     assert r["grown"] is True, r["grown"]
+
+
+SYNC_BN_ABANDONED = """
+import copy, json, os, signal, threading, time, torch, dpool
+from torch import nn
+
+torch.manual_seed(0)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn, self.out = nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        if float(x[0, 0]) > 100:  # the slow shard: still computing when the other waits in the all-reduce
+            time.sleep(1.0)
+        return self.out(self.bn(self.lin(x)))
+
+
+net = dpool.convert_sync_batchnorm(Net()).double()
+ref = copy.deepcopy(net)
+model = dpool.wrap(net, ["cpu", "cpu"], step_timeout_s=20, max_restarts=1)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def step():
+    y = torch.randn(8, 4, dtype=torch.float64)
+    got, want = model(y), ref(y)
+    got.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    pairs = [(got, want), *zip([p.grad for p in net.parameters()], [p.grad for p in ref.parameters()]),
+             *zip(net.buffers(), ref.buffers())]
+    net.zero_grad()
+    ref.zero_grad()
+    return all(torch.allclose(a.double(), b.double(), rtol=1e-9, atol=1e-12) for a, b in pairs)
+
+
+step()
+slow = torch.randn(8, 4, dtype=torch.float64)
+slow[4, 0] = 1000.0  # worker 1's shard
+if CASE == "ctrl_c":
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+else:
+    threading.Timer(0.3, os.kill, (model.pids[1], signal.SIGKILL)).start()
+try:
+    with torch.no_grad():
+        model(slow)
+    error = None
+except BaseException as e:
+    error = type(e).__name__
+after = [step() for _ in range(3)]
+model.close()
+print("RESULT " + json.dumps({"error": error, "same": after}))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_sync_batchnorm_round_abandoned_by_ctrl_c_or_a_restart_releases_the_waiting_worker():
+    # A worker waiting in the all-reduce of an abandoned round used to take the next request as the
+    # collective's answer and drop it: the next call waited for step_timeout and broke the pool.
+    cases = ["ctrl_c", "restart"]
+    results = run_scripts([f"CASE = {c!r}\n" + SYNC_BN_ABANDONED for c in cases], timeout=120)
+    for case, res in zip(cases, results):
+        r = _result(res)
+        assert r["error"] == {"ctrl_c": "KeyboardInterrupt", "restart": "WorkerDiedError"}[case], (case, r)
+        assert r["same"] == [True] * 3, (case, r)  # (a hang would have raised WorkerTimeoutError in the script)

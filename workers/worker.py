@@ -329,8 +329,13 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
         poller.register(client_fd, zmq.POLLIN)
     served = 0
 
-    def send(msg: P.Message, flags: int = 0, re: int = 0) -> None:
-        chan.send(msg, None, flags, re=re)
+    # Everything sent while serving a request names it (``re``, see dpool.protocol): its reply, and the
+    # collectives and reports on its way. So the coordinator can tell what belongs to a request it
+    # abandoned (Ctrl-C, another worker's failure) from what belongs to its current one.
+    serving = [0]
+
+    def send(msg: P.Message, flags: int = 0) -> None:
+        chan.send(msg, None, flags, re=serving[0])
 
     def recv() -> P.Message:
         """The next authenticated message from the coordinator."""
@@ -346,7 +351,7 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
 
     # int64 slots of the control segment: each worker's latest round when asked to reply together
     rounds = memoryview(control.mmap).cast("q") if control is not None else None
-    replica.collective = _Collective(send, recv)
+    replica.collective = collective = _Collective(send, recv, chan, serving)
     replica.notify = send  # bucket_ready reports during a backward (cross-node overlap)
     on_gpu = session.device.startswith("cuda")
     from dpool.gpu import sticky_error
@@ -361,15 +366,21 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
             sys.stdout = _ToClient(lambda text: send(P.Output(1, text), zmq.NOBLOCK), saved[0])
             sys.stderr = _ToClient(lambda text: send(P.Output(2, text), zmq.NOBLOCK), saved[1])
         while True:
-            msg = recv()
-            re = chan.last_seq  # a reply names the request it answers (dpool.protocol: ``re``)
+            if collective.pending is not None:  # a request that arrived while a collective waited
+                serving[0], msg = collective.pending
+                collective.pending = None
+            else:
+                msg = recv()
+                serving[0] = chan.last_seq
+            if isinstance(msg, P.AllReduceDone):  # for a collective that a newer request ended: nobody waits
+                continue
             if isinstance(msg, P.Shutdown):
                 if client_pid is not None and on_gpu:
                     # A daemon's worker outlives its client: it gives the client's GPU memory back (its
                     # imports, see NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc) before the client frees it.
                     del replica
                     drop_imports()
-                    send(P.ServeDone(served, "shutdown"), re=re)
+                    send(P.ServeDone(served, "shutdown"))
                     linger = 2000
                 break
             try:
@@ -382,13 +393,12 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
             except BaseException as exc:  # the model's error travels back as strings
                 stage = replica.stage.replace(" (waiting for its CUDA work)", "")
                 if on_gpu and sticky_error(exc):
-                    _cuda_context_lost(replica, exc, lambda e=exc, r=re: send(_failed(stage + P.CONTEXT_LOST, e), re=r),
-                                       ctx)
+                    _cuda_context_lost(replica, exc, lambda e=exc: send(_failed(stage + P.CONTEXT_LOST, e)), ctx)
                 reply = _failed(stage, exc)
             if rounds is not None and getattr(msg, "together", None):
                 _reply_together(rounds, replica.index, msg.together,
                                 P.TOGETHER_WAIT_S if not isinstance(reply, P.Failed) else 0.0)
-            send(reply, re=re)
+            send(reply)
             if msg.op == "forward":
                 served += 1
                 if steps_slot is not None:
@@ -443,13 +453,22 @@ class CollectiveAborted(RuntimeError):
 
 
 class _Collective:
-    """All-reduce through the coordinator, for dpool.SyncBatchNorm (see dpool.sync_batchnorm)."""
+    """All-reduce through the coordinator, for dpool.SyncBatchNorm (see dpool.sync_batchnorm).
 
-    def __init__(self, send: Any, recv: Any) -> None:
+    While it waits for the sum, a new request may come instead: the coordinator abandoned the request
+    being served (Ctrl-C, another worker's failure) and moved on. The collective then ends with
+    :class:`CollectiveAborted` and keeps that request in :attr:`pending` for the serving loop. An
+    answer to a collective of an earlier, abandoned request (it names that request) is skipped.
+    """
+
+    def __init__(self, send: Any, recv: Any, chan: Any, serving: list) -> None:
         self._send = send
         self._recv = recv
+        self._chan = chan
+        self._serving = serving
         self.world = 1
         self.seq = 0
+        self.pending: tuple[int, Any] | None = None
 
     def allreduce(self, t: Any) -> Any:
         import torch
@@ -460,9 +479,16 @@ class _Collective:
         data = t.detach().to(torch.float64).contiguous()
         self.seq += 1
         self._send(P.AllReduce(self.seq, to_bytes(data)))
-        reply = self._recv()
-        if not isinstance(reply, P.AllReduceDone) or reply.seq != self.seq:
-            raise P.ProtocolError(f"expected allreduce_done {self.seq}, got {reply.op}")
+        while True:
+            reply = self._recv()
+            if not isinstance(reply, P.AllReduceDone):
+                self.pending = self._chan.last_seq, reply
+                raise CollectiveAborted("the coordinator abandoned this call (Ctrl-C, or a failure elsewhere) "
+                                        "while this shard waited in SyncBatchNorm")
+            if self._chan.last_re == self._serving[0]:
+                break
+        if reply.seq != self.seq:
+            raise P.ProtocolError(f"expected allreduce_done {self.seq}, got {reply.seq}")
         if reply.abort:
             raise CollectiveAborted("another shard of this call failed while this one waited in SyncBatchNorm")
         return from_bytes(reply.data, torch.float64).to(device=t.device, dtype=t.dtype)
