@@ -5,7 +5,10 @@ until ``allreduce_done``. The hub sums the parts once every shard of the
 round has sent its own (in cross-node mode, also summed with the other nodes'
 totals through ``across``), and answers each. If any shard fails, every worker
 blocked in a collective of the round is released with ``abort``, so no
-worker waits for a part that will never come.
+worker waits for a part that will never come. The same happens when the round
+is abandoned (Ctrl-C, a worker's death; :meth:`dpool.pool.Pool.request`), and
+a part that arrives later for an abandoned request is answered with ``abort``
+at once (``Pool._take``: the part names its request).
 """
 from __future__ import annotations
 
