@@ -116,6 +116,7 @@ class Graphs:
         self._live: dict[int, Any] = {}  # call → weakref to what keeps its graph alive
         self._released: set[int] = set()
         self._spent: set[int] = set()  # live calls that a backward without retain_graph went through
+        self.told: list[int] = []  # the calls the latest collect() handed out, for retell()
 
     def new_call(self) -> int:
         self.last_call += 1
@@ -146,8 +147,12 @@ class Graphs:
         if call in self._live:
             self._spent.add(call)
 
-    def collect(self, on_release: Any) -> list[int]:
-        """Calls whose graphs may be freed now: released ones, and those whose owner is gone."""
+    def collect(self, on_release: Any, take: bool = True) -> list[int]:
+        """Calls whose graphs may be freed now: released ones, and those whose owner is gone.
+
+        ``take``: they are handed out to be told to the workers with the request being built (kept in
+        :attr:`told` for :meth:`retell`); otherwise they stay released for the next request.
+        """
         for call, ref in list(self._live.items()):
             owner = ref()
             freed = owner is None or call in self._spent
@@ -162,8 +167,14 @@ class Graphs:
                 self._released.add(call)
                 on_release(call)
         out = sorted(self._released)
-        self._released.clear()
+        if take:
+            self.told = out
+            self._released = set()  # (after the line above: a Ctrl-C in between loses nothing)
         return out
+
+    def retell(self) -> None:
+        """The request that carried :attr:`told` may not have reached every worker: release them again."""
+        self._released.update(self.told)
 
     def lose_all(self) -> None:
         """Every graph kept so far is gone (a worker restarted, the model was shipped again)."""

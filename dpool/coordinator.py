@@ -645,9 +645,6 @@ class Runtime:
         k, splits = _scatter.plan(tensors, self.n, self.dim, self.balancer.weights())
         self._last_rows = next((sizes for sizes in splits if sizes is not None), None)
         shards = _scatter.shard_views(tensors, splits, k, self.dim)
-        # after the inputs were accepted: calls collected here must reach the workers with this request
-        # (or be released again), or the workers would keep their graphs for good
-        release = self.graphs.collect(self.io.release)
         grad = torch.is_grad_enabled()
         rg = [grad and t.requires_grad for t in tensors]
         training = bytes(m.training for m in self.master.modules)
@@ -693,15 +690,14 @@ class Runtime:
             layouts.append((offs, placer.offset))
             grow += self.io.input_growth(s, placer.offset)
         if grow and not self.cuda:
-            try:
-                check_free(self.config.shm_dir, grow)  # all shards' new segments, before creating any
-            except BaseException:
-                self.graphs.release(release)
-                raise
+            check_free(self.config.shm_dir, grow)  # all shards' new segments, before creating any
         if self.cuda:
             self._push()
         together = pool.together(k)  # reply together ([] unless the pool asks for it, see Pool.together)
         try:
+            # Calls collected here must reach the workers with this request, or be released again (every
+            # path out of here that may not have told every worker does), or the workers keep their graphs.
+            release = self.graphs.collect(self.io.release)
             for s in range(k):
                 offs, need = layouts[s]
                 seg, start = self.io.input_region(s, need)
@@ -718,7 +714,7 @@ class Runtime:
                                     world, not self.gather_outputs, autocast, release, seed, together)
         except BaseException:
             self._unsent()
-            self.graphs.release(release)
+            self.graphs.retell()
             raise
         try:
             replies = self._request(msgs, "running forward")
@@ -731,43 +727,46 @@ class Runtime:
                                             "forward")
                 for s, r in fetched.items():
                     replies[s].tensors = r.tensors
+            specs = [replies[s].tree for s in range(k)]
+            out_metas = [replies[s].tensors for s in range(k)]
+            groups = _gather.tensor_groups(specs)
+            outs = [self.io.segment(s, "out") for s in range(k)]
+            state = CallState(self, call, k, groups, out_metas, outs, splits, gin_sizes, rg,
+                              [[t.shape for t in shards[s]] for s in range(k)])
+            state.fseq = self.nodes.fseq if self.nodes is not None else 0  # the training forward its backward names
+            diff_inputs = [t for t, r in zip(tensors, rg) if r]
+            diff_idx = [i for i, p in enumerate(self.params) if p.requires_grad] if grad else []
+            diff_params = [self.params[i] for i in diff_idx]
+            state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
+            state.diff_idx = diff_idx
+            state.params = self.params
+            state.versions = [p._version for p in state.params] if grad else []
+            state.input_devices = [t.device for t in diff_inputs]
+            if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
+                handle = ShardedOutput(self, state, specs, diff_inputs)
+                self.graphs.track(call, handle)
+                for s in range(k):
+                    self.io.keep(s, call, spans[s])
+                gathered = None
+            elif grad and any(state.differentiable):
+                gathered = Bridge.apply(state, diff_idx, *diff_inputs, *diff_params)
+                if not isinstance(gathered, tuple):
+                    gathered = (gathered,)
+                self.graphs.track(call, state.ctx)
+                for s in range(k):
+                    self.io.keep(s, call, spans[s])
+                state.ctx = None
+            else:
+                if grad:
+                    self.graphs.release(call)
+                gathered = state.gather()
         except BaseException:
-            if grad:
-                self.graphs.release(call)  # drop graphs kept by the shards that succeeded
-            raise
-        specs = [replies[s].tree for s in range(k)]
-        out_metas = [replies[s].tensors for s in range(k)]
-        groups = _gather.tensor_groups(specs)
-        outs = [self.io.segment(s, "out") for s in range(k)]
-        state = CallState(self, call, k, groups, out_metas, outs, splits, gin_sizes, rg,
-                          [[t.shape for t in shards[s]] for s in range(k)])
-        state.fseq = self.nodes.fseq if self.nodes is not None else 0  # the training forward its backward names
-        diff_inputs = [t for t, r in zip(tensors, rg) if r]
-        diff_idx = [i for i, p in enumerate(self.params) if p.requires_grad] if grad else []
-        diff_params = [self.params[i] for i in diff_idx]
-        state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
-        state.diff_idx = diff_idx
-        state.params = self.params
-        state.versions = [p._version for p in state.params] if grad else []
-        state.input_devices = [t.device for t in diff_inputs]
-        if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
-            handle = ShardedOutput(self, state, specs, diff_inputs)
-            self.graphs.track(call, handle)
-            for s in range(k):
-                self.io.keep(s, call, spans[s])
-            gathered = None
-        elif grad and any(state.differentiable):
-            gathered = Bridge.apply(state, diff_idx, *diff_inputs, *diff_params)
-            if not isinstance(gathered, tuple):
-                gathered = (gathered,)
-            self.graphs.track(call, state.ctx)
-            for s in range(k):
-                self.io.keep(s, call, spans[s])
-            state.ctx = None
-        else:
-            if grad:
+            # Until the call is tracked (or released above), nothing would ever free the graphs the
+            # workers keep for it: a GatherError or a Ctrl-C here must not leave them there for good.
+            if grad and not self.graphs.kept(call):
                 self.graphs.release(call)
-            gathered = state.gather()
+            self.graphs.retell()  # a round cut short may not have told every worker
+            raise
         state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
         rows = next((sizes for sizes in splits if sizes is not None), [1] * k)
         self.stats.forward(rows, [replies[s].busy for s in range(k)], sum(nbytes(t) for sh in shards for t in sh),
@@ -952,9 +951,7 @@ class Runtime:
                 "higher-order gradients (create_graph=True) through a dpool model are supported for gathered "
                 "outputs outside no_sync() only; compute this term on dpool.unwrap(model)"
             )
-        release = self.graphs.collect(self.io.release)
-        if release:
-            self.graphs.release(release)  # piggybacked on the next forward
+        self.graphs.collect(self.io.release, take=False)  # frees their input spans; told with the next forward
         per_shard = pieces if pieces is not None else state.grad_pieces(grads)
         keep = 0
         if create_graph:
@@ -1137,11 +1134,11 @@ class Runtime:
     @_one_call_at_a_time
     def inspect(self) -> list[tuple[int, int]]:
         """Per worker: the graphs it keeps for us, and its resident memory in bytes (one round trip)."""
-        release = self.graphs.collect(self.io.release)
         try:
+            release = self.graphs.collect(self.io.release)
             replies = self._request({i: P.Inspect(release) for i in range(self.n)}, "reporting its state")
         except BaseException:
-            self.graphs.release(release)
+            self.graphs.retell()
             raise
         self._raise_failures(replies, "stats")
         return [(replies[i].graphs, replies[i].rss) for i in range(self.n)]

@@ -103,31 +103,43 @@ def dataparallel(module: torch.nn.Module) -> torch.nn.DataParallel:
 class CtrlC:
     """A real Ctrl-C (SIGINT to this process) just before a chosen instruction of a chosen function.
 
-    Python runs signal handlers between bytecodes, so a user's Ctrl-C can land between any two
-    instructions of dpool's code. :meth:`positions` lists the instructions a call runs in ``fns``.
-    ``with CtrlC(code, offset, skip):`` delivers SIGINT when ``code`` is about to run the instruction
-    at ``offset`` for the ``skip + 1``-th time, with Python's own handler installed (a process started
-    in the background may inherit SIGINT ignored), so :class:`KeyboardInterrupt` is raised there.
+    CPython runs a signal's handler where it checks for pending signals: at a function's start, after
+    a call returns, and at a loop's backward jump. :meth:`positions` lists every such point (an
+    instruction right after one of those) that a call runs in ``fns``: every place where a user's
+    Ctrl-C can land in them. ``with CtrlC(code, offset, skip):`` delivers SIGINT when ``code`` is
+    about to run the instruction at ``offset`` for the ``skip + 1``-th time, with Python's own handler
+    installed (a process started in the background may inherit SIGINT ignored), so
+    :class:`KeyboardInterrupt` is raised there.
     """
+
+    _CHECKED = {"CALL", "CALL_FUNCTION_EX", "JUMP_BACKWARD"}  # CPython 3.11 checks for signals after these
 
     def __init__(self, code, offset: int, skip: int = 0) -> None:
         self.code, self.offset, self.skip, self.hit = code, offset, skip, False
 
-    @staticmethod
-    def positions(fns, run) -> list[tuple]:
-        """``(code, offset)`` of every instruction of ``fns`` that ``run()`` executes, in first-run order."""
-        codes = {f.__code__ for f in fns}
+    @classmethod
+    def positions(cls, fns, run) -> list[tuple]:
+        """``(code, offset)`` of every point where a signal can land in ``fns`` while ``run()`` runs, in
+        first-run order."""
+        import dis
+
+        ops = {f.__code__: {i.offset: i.opname for i in dis.get_instructions(f.__code__)} for f in fns}
         seen: dict[tuple, None] = {}
 
-        def local(frame, event, arg):
-            if event == "opcode":
-                seen.setdefault((frame.f_code, frame.f_lasti))
-            return local
-
         def tracer(frame, event, arg):
-            if frame.f_code not in codes:
+            names = ops.get(frame.f_code)
+            if names is None:
                 return None
             frame.f_trace_opcodes = True
+            last = [None]  # the previous instruction this frame ran (None: the function just started)
+
+            def local(frame, event, arg):
+                if event == "opcode":
+                    if last[0] is None or names.get(last[0]) in cls._CHECKED:
+                        seen.setdefault((frame.f_code, frame.f_lasti))
+                    last[0] = frame.f_lasti
+                return local
+
             return local
 
         sys.settrace(tracer)

@@ -270,6 +270,28 @@ def test_a_refused_input_leaves_no_graph_behind_on_the_workers(wrap, refused):
     assert [w["graphs_kept"] for w in model.stats(inspect=True)["workers"]] == [0, 0]
 
 
+def test_a_forward_that_fails_after_the_workers_ran_it_leaves_no_graph_on_them(wrap):
+    """Replicas whose outputs disagree in structure: the coordinator's gather raises GatherError after the
+    workers ran the forward with grad and kept its graph. Nothing tracked that call, so every such call
+    used to leave one graph (its activations) on every worker for good."""
+
+    class TwoShapes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y if x.shape[0] > 3 else (y, y)
+
+    model = wrap(TwoShapes())
+    for _ in range(3):
+        with pytest.raises(dpool.GatherError):
+            model(torch.randn(7, 4))  # shards of 4 and 3 rows
+    model(torch.randn(8, 4)).sum().backward()
+    assert [w["graphs_kept"] for w in model.stats(inspect=True)["workers"]] == [0, 0]
+
+
 def test_batchnorm_on_a_one_row_shard_names_the_shards_and_the_fix(wrap):
     model = wrap(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), ["cpu", "cpu", "cpu"])
     with pytest.raises(ValueError, match=r"shards of \[2, 1, 1\] rows.*drop_last=True.*fewer workers"):

@@ -336,7 +336,7 @@ def test_a_send_cut_by_ctrl_c_anywhere_loses_or_glues_no_other_message():
         sends = [Channel.send, Channel.next_seq, channel._end_cut_message]
         positions = CtrlC.positions(sends, lambda: router.send(P.Call(b"first"), b"a"))
         assert dealers[b"a"].poll(5000) and dealers[b"a"].recv()[1] == P.Call(b"first")
-        assert len(positions) > 20
+        assert len(positions) >= 5
         for i, (code, offset) in enumerate(positions):
             cut_msg = P.Call(b"cut %d" % i)
             with CtrlC(code, offset) as cut:
