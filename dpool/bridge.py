@@ -168,8 +168,8 @@ class Graphs:
                 on_release(call)
         out = sorted(self._released)
         if take:
-            self.told = out
-            self._released = set()  # (after the line above: a Ctrl-C in between loses nothing)
+            self.told = out  # first: a Ctrl-C right after the clear below loses nothing (see retell)
+            self._released.clear()
         return out
 
     def retell(self) -> None:
