@@ -12,6 +12,11 @@ both, and were silently added to the next synchronized backward after a ``zero_g
   tensor, unchanged: the held gradients count, added to it; set to ``None`` or zeroed: the workers
   drop that parameter's held gradient first, as ``zero_grad()`` drops DDP's; changed otherwise
   (scaled, clipped): an error, since the held part cannot be changed alike.
+* A backward that fails (a worker raised, died or was restarted, or Ctrl-C) while the workers hold
+  gradients, or were to hold them, may have added its part on some workers and not on others. The
+  held sums are then no accumulation the loop made, so the next backward requires every marked
+  ``.grad`` cleared (``zero_grad()``: the workers drop them) and raises otherwise: one process
+  would not have added that part, and dpool cannot take it out again.
 * ``optimizer.step()`` over a parameter with a held gradient raises (a global optimizer pre-hook,
   registered at the first held backward) instead of stepping without it.
 * Sparse gradients (``nn.Embedding(sparse=True)``) get no marker (a dense zero would make their sum
@@ -47,6 +52,7 @@ class HeldGradients:
         self._marks: list[tuple[weakref.ref, int, bool] | None] | None = None  # (marker, version, made by us)
         self._ids: set[int] = set()
         self._sparse: set[int] = set()  # parameters with sparse gradients: no marker
+        self._failed: str | None = None  # a backward failed since the last good one: what (see failed())
 
     def mark(self, module: torch.nn.Module, params: Sequence[torch.Tensor], flags: bytes) -> None:
         """After a held backward: each parameter that took a gradient now, or before, gets its marker."""
@@ -67,6 +73,7 @@ class HeldGradients:
                 g = p.grad = torch.zeros_like(p)
             marks.append((weakref.ref(g), g._version, made))
         self._marks = marks
+        self._failed = None
         self._ids = {id(p) for p, m in zip(params, marks) if m is not None}
         _holding.add(self)
         if not _hooked:
@@ -75,12 +82,19 @@ class HeldGradients:
             register_optimizer_step_pre_hook(_refuse_step)
             _hooked = True
 
+    def failed(self, module: torch.nn.Module, params: Sequence[torch.Tensor], flags: bytes, what: str) -> None:
+        """``what`` failed while the workers held, or were to hold, gradients: they may hold part of it.
+        Every parameter that takes a gradient gets its marker, and the next backward needs them cleared."""
+        self.mark(module, params, flags)
+        self._failed = what
+
     def cleared(self, params: Sequence[torch.Tensor]) -> bytes:
         """Before a backward while the workers hold: one byte per parameter, 1 where the loop cleared the
         master's ``.grad`` since (the workers drop their held gradient of it); ``b""`` if none was."""
         if self._marks is None:
             return b""
         drop = bytearray(len(params))
+        kept = []
         for i, (p, mark) in enumerate(zip(params, self._marks)):
             if mark is None:
                 continue
@@ -89,6 +103,7 @@ class HeldGradients:
                 drop[i] = 1
                 continue
             if g._version == mark[1] and mark[0]() is g:
+                kept.append(i)
                 continue
             if not g.any():
                 drop[i] = 1
@@ -99,6 +114,15 @@ class HeldGradients:
                 f"accumulated part on dpool's workers, which cannot be changed alike. Change gradients (clip, "
                 f"scale) after the backward outside no_sync(), which brings them all to .grad; zero_grad() "
                 f"in between is fine (it drops the held part, as with DistributedDataParallel).")
+        if self._failed is not None and kept:
+            names = [self._names()[i] for i in kept]
+            raise UnsupportedError(
+                f"{self._failed} while model.no_sync() held accumulated gradients on dpool's workers (or was "
+                f"to hold them): some workers may have added their part of it and others not, so the held "
+                f"gradients of {len(kept)} parameter(s) ({', '.join(repr(n) for n in names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}) are not the accumulation of the backwards that "
+                f"succeeded. Call optimizer.zero_grad() (or model.zero_grad()) to drop them, then accumulate "
+                f"again; one process would not have added a failed backward's gradients either.")
         return bytes(drop) if any(drop) else b""
 
     def release(self, params: Sequence[torch.Tensor]) -> None:
@@ -111,6 +135,7 @@ class HeldGradients:
             if mark is not None and mark[2] and g is not None and g._version == mark[1] and mark[0]() is g:
                 p.grad = None
         self._marks = None
+        self._failed = None
         self._ids = set()
         _holding.discard(self)
 

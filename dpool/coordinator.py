@@ -1026,25 +1026,34 @@ class Runtime:
             self._unsent()
             raise
         self._slot_gen += 1  # the slots are written from here on, whatever the outcome
+        holding = hold or self._workers_hold
         if hold:
             self._workers_hold = True
         # the reducer may start combining while the workers still run (cross-node buckets)
         slots = [self._grad_slots[s] for s in range(k)]
         pool.on_bucket = None if hold else self.reducer.begin(slots, call, at)
         try:
-            replies = self._request(msgs, "running backward")
-        finally:
-            pool.on_bucket = None
-        pool.unlink_segments()
-        self._raise_failures(replies, "backward")
-        changed = self._changed_buffers(replies.values())
-        self.stats.split_round("backward", pool.sent_at, pool.arrived, replies, k)
-        need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}
-        if need:  # sparse gradients larger than the sparse segment (or the first ones): grow it, fetch them
-            fetched = self._fetch_round(lambda s, ref: P.FetchSparse(call, ref), "sparse", need,
-                                        "returning sparse gradients", "backward")
-            for s, r in fetched.items():
-                replies[s].sparse = r.sparse
+            try:
+                replies = self._request(msgs, "running backward")
+            finally:
+                pool.on_bucket = None
+            pool.unlink_segments()
+            self._raise_failures(replies, "backward")
+            changed = self._changed_buffers(replies.values())
+            self.stats.split_round("backward", pool.sent_at, pool.arrived, replies, k)
+            need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}
+            if need:  # sparse gradients larger than the sparse segment (or the first ones): grow it, fetch them
+                fetched = self._fetch_round(lambda s, ref: P.FetchSparse(call, ref), "sparse", need,
+                                            "returning sparse gradients", "backward")
+                for s, r in fetched.items():
+                    replies[s].sparse = r.sparse
+        except BaseException as exc:
+            if holding and not pool.broken:
+                # Some workers may have added their part of this backward to the gradients they hold (the
+                # others failed, or never ran it): those sums are the master's no longer, until dropped.
+                self._held.failed(self.module, self.params, flags,
+                                  f"the backward at step {pool.step} failed ({type(exc).__name__})")
+            raise
         self.stats.backward([replies[s].busy for s in range(k)],
                             sum(g.numel() * g.element_size() for g in _tensors_of(per_shard)),
                             sum(end - start for _, start, end, _ in self.layout.param_groups) * k)

@@ -1837,3 +1837,65 @@ def test_a_tensor_the_forward_keeps_on_the_model_for_the_loss_is_warned_about(wr
     (rout.pow(2).mean() + rkl).backward()
     for p, r in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, r.grad)
+
+
+class _FailsOnMarkedRows(torch.autograd.Function):
+    """Identity whose backward raises on a shard whose first row is marked (> 100)."""
+
+    @staticmethod
+    def forward(ctx, y, x):
+        ctx.marked = float(x[0, 0]) > 100
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.marked:
+            raise ValueError("this shard's backward fails")
+        return g, None
+
+
+class _FailingBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return _FailsOnMarkedRows.apply(self.lin(x), x)
+
+
+@pytest.mark.parametrize("failing", ["first_held", "later_held", "synchronizing"])
+def test_a_backward_that_fails_while_no_sync_holds_gradients_never_joins_them(wrap, failing):
+    """One shard's backward fails, the other's ran: that worker added its part to the gradients it holds.
+    One process adds nothing for a failed backward. The next backward used to add that part, silently
+    (even after zero_grad(), when the failed backward was the accumulation's first); now it raises until
+    the loop clears the gradients, and after zero_grad() training equals one process."""
+    torch.manual_seed(0)
+    net = _FailingBackward().double()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    good = [torch.randn(8, 4, dtype=torch.float64) for _ in range(3)]
+    bad = torch.randn(8, 4, dtype=torch.float64)
+    bad[4, 0] = 1000.0  # the second shard fails, the first runs
+
+    if failing != "first_held":
+        with model.no_sync():
+            model(good[0]).sum().backward()
+        ref(good[0]).sum().backward()
+    with pytest.raises(ValueError, match="this shard's backward fails"):
+        if failing == "synchronizing":
+            model(bad).sum().backward()
+        else:
+            with model.no_sync():
+                model(bad).sum().backward()
+    with pytest.raises(dpool.UnsupportedError, match=r"the backward at step \d+ failed \(RemoteValueError\).*"
+                                                     r"zero_grad\(\)"):
+        model(good[1]).sum().backward()
+    net.zero_grad()
+    ref.zero_grad()
+    with model.no_sync():
+        model(good[1]).sum().backward()
+    model(good[2]).sum().backward()
+    ref(good[1]).sum().backward()
+    ref(good[2]).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
