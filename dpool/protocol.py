@@ -12,12 +12,13 @@ One frame rather than two saves a send and a receive per message on the hot path
 
 The payload is a msgpack array ``[version, op, seq, re, body]`` where ``body`` is
 the list of the message's fields in declaration order, and ``re`` is the ``seq``
-of the request a reply answers (0 on every other message). The coordinator takes
-a reply as the answer to its current request only if ``re`` names that request,
-so a reply still owed to a round that Ctrl-C cut short is never taken for the
-next one's. Tensor bytes never
-travel here: messages only say *where* in shared memory a tensor lies
-(``TensorMeta``).
+of the request a message was sent for: a worker's reply, and the collectives and
+reports it sends while serving that request, name it; the coordinator's own
+answer to a collective names the same request; everything else carries 0. The
+coordinator takes a reply as the answer to a worker's latest request only if
+``re`` names it, so a reply still owed to a round that Ctrl-C or a failure
+abandoned is never taken for the next one's. Tensor bytes never travel here:
+messages only say *where* in shared memory a tensor lies (``TensorMeta``).
 
 Receiving is ordered so that nothing from an unauthenticated peer is decoded:
 
@@ -99,7 +100,7 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 12  # 12: the envelope carries ``re``, the request a reply answers
+PROTOCOL_VERSION = 12  # 12: the envelope carries ``re``, the request a message was sent for
 # 11: forward_done names the attributes the forward set to tensors requiring grad;
 # backward may drop gradients the worker holds (zero_grad() during no_sync())
 # 10: backward_done and criterion_done list the buffers the backward updated in place;

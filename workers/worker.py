@@ -449,7 +449,8 @@ def _reply_together(rounds: Any, index: int, together: list, limit: float) -> No
 
 
 class CollectiveAborted(RuntimeError):
-    """Another shard of the same call failed while this one waited in a collective."""
+    """Another shard of the same call failed, or the coordinator abandoned the call, while this one waited
+    in a collective."""
 
 
 class _Collective:
