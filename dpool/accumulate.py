@@ -17,6 +17,10 @@ both, and were silently added to the next synchronized backward after a ``zero_g
   held sums are then no accumulation the loop made, so the next backward requires every marked
   ``.grad`` cleared (``zero_grad()``: the workers drop them) and raises otherwise: one process
   would not have added that part, and dpool cannot take it out again.
+* A worker restarted (``max_restarts``) while the workers hold gradients starts without its part of
+  them, whatever call the death interrupted (a forward, too): the held sums then miss that part, and
+  the next backward requires the marked ``.grad`` cleared in the same way. A ``.grad`` the loop
+  cleared before the restart needs nothing more.
 * ``optimizer.step()`` over a parameter with a held gradient raises (a global optimizer pre-hook,
   registered at the first held backward) instead of stepping without it.
 * Sparse gradients (``nn.Embedding(sparse=True)``) get no marker (a dense zero would make their sum
@@ -52,7 +56,7 @@ class HeldGradients:
         self._marks: list[tuple[weakref.ref, int, bool] | None] | None = None  # (marker, version, made by us)
         self._ids: set[int] = set()
         self._sparse: set[int] = set()  # parameters with sparse gradients: no marker
-        self._failed: str | None = None  # a backward failed since the last good one: what (see failed())
+        self._failed: str | None = None  # why the held sums are no accumulation (see failed() and lost())
 
     def mark(self, module: torch.nn.Module, params: Sequence[torch.Tensor], flags: bytes) -> None:
         """After a held backward: each parameter that took a gradient now, or before, gets its marker."""
@@ -86,7 +90,18 @@ class HeldGradients:
         """``what`` failed while the workers held, or were to hold, gradients: they may hold part of it.
         Every parameter that takes a gradient gets its marker, and the next backward needs them cleared."""
         self.mark(module, params, flags)
-        self._failed = what
+        self._failed = (f"{what} while model.no_sync() held accumulated gradients on dpool's workers (or was to "
+                        "hold them): some workers may have added their part of it and others not; one process "
+                        "would not have added a failed backward's gradients")
+
+    def lost(self, module: torch.nn.Module, params: Sequence[torch.Tensor], what: str) -> None:
+        """Workers were restarted (``what``) while the workers held gradients: their part is gone. The
+        markers stay as they are (a ``.grad`` the loop cleared since needs nothing more); the next backward
+        needs the others cleared."""
+        if self._marks is None:  # (not while holding: markers exist after the first held backward, failed or not)
+            self.mark(module, params, bytes(p.requires_grad for p in params))
+        self._failed = (f"{what} while model.no_sync() held accumulated gradients on dpool's workers: their "
+                        "part of those gradients was lost with them")
 
     def cleared(self, params: Sequence[torch.Tensor]) -> bytes:
         """Before a backward while the workers hold: one byte per parameter, 1 where the loop cleared the
@@ -117,12 +132,10 @@ class HeldGradients:
         if self._failed is not None and kept:
             names = [self._names()[i] for i in kept]
             raise UnsupportedError(
-                f"{self._failed} while model.no_sync() held accumulated gradients on dpool's workers (or was "
-                f"to hold them): some workers may have added their part of it and others not, so the held "
-                f"gradients of {len(kept)} parameter(s) ({', '.join(repr(n) for n in names[:3])}"
-                f"{', ...' if len(names) > 3 else ''}) are not the accumulation of the backwards that "
-                f"succeeded. Call optimizer.zero_grad() (or model.zero_grad()) to drop them, then accumulate "
-                f"again; one process would not have added a failed backward's gradients either.")
+                f"{self._failed}. So the held gradients of {len(kept)} parameter(s) "
+                f"({', '.join(repr(n) for n in names[:3])}{', ...' if len(names) > 3 else ''}) are not the "
+                f"accumulation of the backwards that succeeded. Call optimizer.zero_grad() (or "
+                f"model.zero_grad()) to drop them, then accumulate again.")
         return bytes(drop) if any(drop) else b""
 
     def release(self, params: Sequence[torch.Tensor]) -> None:

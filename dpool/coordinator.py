@@ -513,9 +513,15 @@ class Runtime:
                                 "the master module is unchanged (dpool.unwrap(model) returns it).",)
                     raise exc from again
                 exc.restarted = True  # type: ignore[union-attr]
+                lost = ""
+                if self._workers_hold:  # their no_sync() gradients are gone: the held sums miss them
+                    self._held.lost(self.module, self.params, f"worker(s) {dead} were restarted at step "
+                                    f"{self.pool.step}")
+                    lost = (" The gradients model.no_sync() had accumulated on them were lost: call "
+                            "optimizer.zero_grad() and accumulate again (the next backward raises until then).")
                 exc.args = (f"{exc.args[0]} Worker(s) {dead} were restarted and re-synced from the master "
                             f"({self.restarts_left} restart(s) left): the master module is unchanged and the next "
-                            "call runs on the restarted pool.",)
+                            f"call runs on the restarted pool.{lost}",)
                 raise
             self.pool.break_pool(str(exc))
             exc.args = (f"{exc.args[0]} The pool is broken; the master module is unchanged (dpool.unwrap(model) "

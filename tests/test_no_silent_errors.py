@@ -1899,3 +1899,55 @@ def test_a_backward_that_fails_while_no_sync_holds_gradients_never_joins_them(wr
     ref(good[2]).sum().backward()
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+class _DiesOnMarkedRows(nn.Module):
+    """A worker whose shard's first row is marked (> 100) exits in the forward, as a killed one would."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if float(x[0, 0]) > 100:
+            os._exit(3)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("cleared", [False, True])
+def test_a_worker_restarted_while_no_sync_holds_gradients_never_joins_what_is_left(wrap, cleared):
+    """A worker dies in a forward during gradient accumulation and max_restarts respawns it: its held part
+    is gone. The next synchronizing backward used to sum what the other worker held with the new
+    backward, silently short of the lost part; now it raises until zero_grad(), as after a failed
+    backward. Gradients the loop had cleared before the death need nothing more."""
+    torch.manual_seed(0)
+    net = _DiesOnMarkedRows().double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, max_restarts=1)
+    good = [torch.randn(8, 4, dtype=torch.float64) for _ in range(4)]
+    bad = torch.randn(8, 4, dtype=torch.float64)
+    bad[4, 0] = 1000.0  # worker 1 dies
+
+    with model.no_sync():
+        model(good[0]).sum().backward()
+    if cleared:
+        net.zero_grad()
+    else:
+        ref(good[0]).sum().backward()
+    with pytest.raises(dpool.WorkerDiedError, match=r"restarted.*"
+                       + ("" if cleared else r"no_sync\(\) had accumulated on them were lost")):
+        with model.no_sync():
+            model(bad)
+    if not cleared:
+        with pytest.raises(dpool.UnsupportedError, match=r"worker\(s\) \[1\] were restarted at step \d+ while "
+                                                         r"model.no_sync\(\) held .*lost.*zero_grad\(\)"):
+            model(good[1]).sum().backward()
+        net.zero_grad()
+        ref.zero_grad()
+    with model.no_sync():
+        model(good[2]).sum().backward()
+    model(good[3]).sum().backward()
+    ref(good[2]).sum().backward()
+    ref(good[3]).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
