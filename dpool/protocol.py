@@ -87,6 +87,7 @@ __all__ = [
     "FetchDone",
     "Serve",
     "ServeDone",
+    "EndServe",
     "Attach",
     "AttachDone",
     "Detach",
@@ -100,7 +101,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 12  # 12: the envelope carries ``re``, the request a message was sent for
+PROTOCOL_VERSION = 13  # 13: end_serve (the daemon ends a serving worker's session when its client detaches)
+# 12: the envelope carries ``re``, the request a message was sent for
 # 11: forward_done names the attributes the forward set to tensors requiring grad;
 # backward may drop gradients the worker holds (zero_grad() during no_sync())
 # 10: backward_done and criterion_done list the buffers the backward updated in place;
@@ -608,6 +610,18 @@ class ServeDone(Message):
     reason: str
 
 
+@_message("end_serve", client_pid=_INT)
+class EndServe(Message):
+    """Daemon → serving worker: client ``client_pid`` detached; end its session now (as for ``shutdown``).
+
+    A client cut short while attaching (Ctrl-C after the daemon granted the lease, before it had the
+    reply) cannot tell workers it never heard of to stop, and it lives on: they served its silent session
+    until its process exited, and the daemon refused every other attach as busy.
+    """
+
+    client_pid: int
+
+
 @_message("attach", pid=_INT, endpoint=_STR, nonce=_BYTES, control=_LIST, protocol=_INT,
           max_message_bytes=_INT)
 class Attach(Message):
@@ -714,7 +728,7 @@ MESSAGES: dict[str, type[Message]] = {
         Boot, Hello, Init, InitDone, Forward, ForwardDone, Fetch, FetchDone, Backward, BackwardDone, FetchSparse,
         FetchSparseDone, Criterion, CriterionDone, Inspect, InspectDone, Call, CallDone, AllReduce, AllReduceDone,
         BucketReady,
-        Shutdown, Failed, Output, Serve, ServeDone, Attach, AttachDone, Detach, DetachDone, Status, StatusDone, Stop,
+        Shutdown, Failed, Output, Serve, ServeDone, EndServe, Attach, AttachDone, Detach, DetachDone, Status, StatusDone, Stop,
         StopDone,
     )
 }

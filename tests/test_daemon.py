@@ -536,3 +536,54 @@ def test_gpu_device_ids_without_a_gpu_are_a_usage_error():
     assert not os.path.exists(os.path.join(runtime_dir(), "pools", name))  # nor created
     res = cli("start", "--name", name, "--device-ids", "cpu,tpu")
     assert res.returncode == 2 and "'tpu' is not a device" in res.stderr, res.stderr
+
+
+ATTACH_CUT = """
+import copy, gc, json, time, torch, dpool
+from torch import nn
+from dpool import attach, daemon_client, pool
+from tests.helpers import CtrlC
+
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+ref = copy.deepcopy(net)
+wrap = lambda: dpool.wrap(net, pool={name!r}, startup_timeout_s=10)
+positions = CtrlC.positions([attach.Lease.start, daemon_client.request, pool.Pool.start], lambda: wrap().close())
+bad, missed = [], 0
+for code, offset in positions:
+    with CtrlC(code, offset) as cut:
+        try:
+            wrap().close()  # (reached only if the Ctrl-C came in close())
+        except KeyboardInterrupt:
+            pass
+    missed += not cut.hit
+    gc.collect()
+    t = time.monotonic()
+    try:
+        m = wrap()
+        y = torch.randn(6, 4, dtype=torch.float64)
+        same = torch.allclose(m(y), ref(y), rtol=1e-12, atol=1e-12)
+        m.close()
+        if not same:
+            bad.append([code.co_name, offset, "wrong numbers"])
+    except Exception as e:
+        bad.append([code.co_name, offset, f"{{type(e).__name__}}: {{str(e)[:200]}}"])
+    if time.monotonic() - t > 5:  # a wrap that waited for busy workers (attach takes ~0.1 s)
+        bad.append([code.co_name, offset, f"the next wrap took {{time.monotonic() - t:.1f}} s"])
+print("RESULT " + json.dumps({{"positions": len(positions), "missed": missed, "bad": bad}}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_anywhere_while_attaching_leaves_the_pool_free_for_the_next_wrap(pool_name):
+    # Ctrl-C after the daemon granted the lease and before the client had its reply: the client could not
+    # tell the workers (it never learned their names) and lived on, so they served its silent session and
+    # the daemon refused every later attach as busy until the process exited (a notebook's kernel).
+    res = run_script(ATTACH_CUT.format(name=pool_name), timeout=240)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["positions"] > 30 and r["missed"] == 0, r
+    assert r["bad"] == [], r["bad"][:5]
+    info = status(pool_name)
+    assert info["client_pid"] is None and [w["state"] for w in info["workers"]] == ["idle", "idle"]

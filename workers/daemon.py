@@ -21,9 +21,11 @@ authenticated ``attach`` with its pid, its own socket endpoint and a fresh nonce
 (both sides derive the session key from it); the daemon grants a lease (one client at a time; a second gets an error naming the holder's
 pid) and tells every worker to connect to the client directly, so steps run exactly as in an
 embedded pool; what a replica prints travels to the client as ``output`` messages. The session
-ends with the client's ``shutdown`` (``close()``), or when the client
-process dies: each worker watches the client's pidfd, drops the replica and its memory, and
-reports ``serve_done``; the daemon watches the client's pidfd too and frees the lease. A worker
+ends with the client's ``shutdown`` (``close()``), with the client's ``detach`` (the daemon then
+sends its serving workers ``end_serve``: a client cut short while attaching never learned their
+names), or when the client process dies: each worker watches the client's pidfd, drops the replica
+and its memory, and reports ``serve_done``; the daemon watches the client's pidfd too and frees the
+lease. A worker
 that dies is respawned and counted in ``status``. The daemon dies → its workers exit (their
 watchdog polls its pidfd) → an attached client sees its workers die and raises
 ``DaemonLostError``. A crashed daemon's leftovers are removed by the next ``start``.
@@ -289,6 +291,14 @@ class Daemon:
         log.info("client %d attached", msg.pid)
 
     def release(self) -> None:
+        """Free the lease: the client detached or died. Its serving workers end its session (a worker
+        watches a dead client itself, but not one that detached before it was told their names)."""
+        from dpool import protocol as P
+
+        if self.client is not None:
+            for w in self.workers:
+                if w.state == "busy":
+                    self.send(w.ident, P.EndServe(self.client))
         if self.client_fd >= 0:
             self.poller.unregister(self.client_fd)
             os.close(self.client_fd)
@@ -330,8 +340,8 @@ class Daemon:
 
         if self.client is not None:
             # A client is attached: say so in the state file *before* its workers go, so that the
-            # client reports DaemonLostError (not a restartable worker death), then end them now:
-            # a serving worker does not read the daemon's socket, so a shutdown would only wait.
+            # client reports DaemonLostError (not a restartable worker death), then end them now: a serving
+            # worker reads the daemon's socket only between its requests, so a shutdown could wait a step.
             log.info("stopping while client %s is attached; its call fails with DaemonLostError", self.client)
             self.write_state(stopping=True)
             for w in self.workers:

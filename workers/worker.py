@@ -147,7 +147,8 @@ class _ToClient(io.TextIOBase):
 
 
 class ClientGone(Exception):
-    """The attached client process died (daemon mode): drop its replica and go back to the daemon."""
+    """The attached client's session is over (daemon mode): its process died, or the daemon ended it
+    (``end_serve``, ``shutdown``). Drop its replica and go back to the daemon. ``args[0]``: why."""
 
 
 def main() -> None:
@@ -249,7 +250,7 @@ def _daemon_loop(ctx: Any, boot: Any, beat: _Beat, known: set[str]) -> None:
         beat.target(control.u8[: 8 * (index + 1)].view(torch.int64)[index:])
         session = dataclasses.replace(boot, key=msg.key, endpoint=msg.endpoint, ident=msg.ident,
                                       max_message_bytes=msg.max_message_bytes)
-        steps, reason = _serve(ctx, session, known, msg.client_pid, steps_slot, control)
+        steps, reason = _serve(ctx, session, known, msg.client_pid, steps_slot, control, daemon)
         beat.target(None)
         del control
         _unlink(boot.shm_dir, known)
@@ -265,6 +266,8 @@ def _daemon_loop(ctx: Any, boot: Any, beat: _Beat, known: set[str]) -> None:
                 sweep_cuda_counters(int(msg.client_pid))
         _trim_heap()  # workers keep their heap while serving (see worker_env); give it back between clients
         daemon.send(P.ServeDone(steps, reason))
+        if reason == _DAEMON_STOPPING:
+            break
     daemon.close()
     ctx.term()
     os._exit(0)
@@ -294,11 +297,27 @@ def _unlink(shm_dir: str, names: set[str]) -> None:
                 pass
 
 
+_DAEMON_STOPPING = "daemon stopping"
+
+
+def _daemon_says(daemon: Any, client_pid: int) -> None:
+    """Read what the daemon sent a serving worker; raise :class:`ClientGone` if it ends the session."""
+    from dpool import protocol as P
+
+    while (got := daemon.recv_nowait()) is not None:
+        msg = got[1]
+        if isinstance(msg, P.EndServe) and msg.client_pid == client_pid:
+            raise ClientGone("client detached")
+        if isinstance(msg, P.Shutdown):
+            raise ClientGone(_DAEMON_STOPPING)
+
+
 def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
-           steps_slot: Any = None, control: Any = None) -> tuple[int, str]:
+           steps_slot: Any = None, control: Any = None, daemon: Any = None) -> tuple[int, str]:
     """Serve one coordinator (``session``: a :class:`dpool.protocol.Boot`) until ``shutdown``
-    (or, attached to a daemon, until its process dies). ``control``: the coordinator's control segment
-    (heartbeats, then the rounds each worker finished: see :func:`_reply_together`).
+    (or, attached to a daemon, until its process dies or the daemon's ``daemon`` channel ends the
+    session). ``control``: the coordinator's control segment (heartbeats, then the rounds each worker
+    finished: see :func:`_reply_together`).
 
     Returns:
         (requests served, why it ended)
@@ -327,6 +346,8 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
         poller = zmq.Poller()
         poller.register(chan.sock, zmq.POLLIN)
         poller.register(client_fd, zmq.POLLIN)
+        if daemon is not None:
+            poller.register(daemon.sock, zmq.POLLIN)
     served = 0
 
     # Everything sent while serving a request names it (``re``, see dpool.protocol): its reply, and the
@@ -347,7 +368,9 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
                 return got[1]
             events = dict(poller.poll())
             if events.get(client_fd):
-                raise ClientGone()
+                raise ClientGone("client died")
+            if daemon is not None and events.get(daemon.sock):
+                _daemon_says(daemon, client_pid)
 
     # int64 slots of the control segment: each worker's latest round when asked to reply together
     rounds = memoryview(control.mmap).cast("q") if control is not None else None
@@ -404,8 +427,8 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
                 if steps_slot is not None:
                     steps_slot[0] += 1
             replica.after_reply()
-    except ClientGone:
-        reason = "client died"
+    except ClientGone as gone:
+        reason = gone.args[0]
     finally:
         if sys.stdout is not saved[0]:
             for stream in (sys.stdout, sys.stderr):
