@@ -119,8 +119,10 @@ class Lease(Launcher):
         except Exception:
             pass  # the daemon is gone, or will notice our exit through our pidfd
         if self.daemon_fd is not None:
-            os.close(self.daemon_fd)
-            self.daemon_fd = None
+            # forgotten before it is closed: a close cut short here (Ctrl-C) and run again must never close
+            # the number a second time (by then it may be another file's)
+            fd, self.daemon_fd = self.daemon_fd, None
+            os.close(fd)
 
     def _settle_cuda_exports(self, pool: "Pool", told: set[int]) -> None:
         """Our GPU arenas' IPC counters held by the workers (see NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc).

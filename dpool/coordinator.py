@@ -1159,10 +1159,11 @@ class Runtime:
         return [(replies[i].graphs, replies[i].rss) for i in range(self.n)]
 
     def close(self) -> None:
-        """Close the pool; the master keeps its values in private memory."""
+        """Close the pool; the master keeps its values in private memory. Every step is idempotent, and
+        the runtime counts as closed only once all of them ran: a close cut short (Ctrl-C) is finished
+        by the next one."""
         if self._closed:
             return
-        self._closed = True
         self._held.release(self.params)
         self.master.close()
         self.pool.close()
@@ -1178,3 +1179,4 @@ class Runtime:
         for name in ("states", "_grad_slots", "_buffer_slots", "_master_buffers", "_first_buffers", "_buffers",
                      "_replicas", "reducer"):
             self.__dict__.pop(name, None)
+        self._closed = True

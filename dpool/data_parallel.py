@@ -157,6 +157,7 @@ class DataParallel(nn.DataParallel):
         threads = worker_threads or max(1, physical_cores() // (len(devices) * local_share()[1]))
         self._saved_threads = torch.get_num_threads()
         self._runtime: Runtime | None = None
+        self._closing: Runtime | None = None  # a close() cut short (Ctrl-C): the next close() finishes it
         self._close_lock = threading.Lock()
         self._owner_thread = threading.get_ident()
         if not isinstance(max_restarts, int) or max_restarts < 0:
@@ -304,12 +305,16 @@ class DataParallel(nn.DataParallel):
 
         Idempotent and thread-safe: a call that finds a close already running in
         another thread waits for it, so when any ``close()`` returns the workers
-        are reaped and the parameters live in private memory again.
+        are reaped and the parameters live in private memory again. A close cut
+        short (Ctrl-C) is finished by the next one.
         """
         with self._close_lock:
             rt, self._runtime = self._runtime, None
+            rt = rt or self._closing
             if rt is not None:
+                self._closing = rt  # (the model reads as closed from here on)
                 rt.close()
+                self._closing = None
             # torch's thread count belongs to the thread that set it (OpenMP keeps it per thread):
             # restore it there, and never call into torch's pools from another thread at close.
             if self._saved_threads is not None and threading.get_ident() == self._owner_thread:

@@ -158,7 +158,8 @@ class Pool:
         self.owner_pid = os.getpid()  # a forked child that inherited this pool must not use or close it
         self.step = 0
         self._broken: str | None = None
-        self._closed = False
+        self._closed = False  # close() began (see close())
+        self._close_done = False
         self._lock = threading.RLock()
         self._in_round = False
         self._segments: list[Segment] = []
@@ -298,8 +299,8 @@ class Pool:
                 self._poller.unregister(w.pidfd)
             except KeyError:
                 pass
-            os.close(w.pidfd)
-            w.pidfd = None
+            fd, w.pidfd = w.pidfd, None  # forgotten first: never closed twice (see Lease._give_back)
+            os.close(fd)
         for t in w.threads:
             t.join(timeout=2.0)
         self.chan.forget(w.ident)
@@ -652,14 +653,20 @@ class Pool:
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
-        """End the workers and free every resource. Idempotent; returns when all workers are joined."""
-        if self._closed:
+        """End the workers and free every resource. Idempotent; returns when all workers are joined.
+
+        ``_closed`` is set first (a round in another thread stops at it); every step after it is
+        idempotent, so a close cut short (Ctrl-C while it waits for the workers) is finished by the next
+        one, which returns early only once ``_close_done``.
+        """
+        if self._close_done:
             return
         self._closed = True
         if os.getpid() != self.owner_pid:
             # A forked child's copy: the workers, the socket file and the segments are the parent's, and a
             # ZeroMQ context must not be used after fork. Drop it without touching any of them.
             self._finalizer.detach()
+            self._close_done = True
             return
         log.info("closing the pool of %d worker(s)", len(self.workers))
         self.launcher.end(self, grace=0.0 if self._in_round else self.config.shutdown_timeout_s)
@@ -673,16 +680,17 @@ class Pool:
             # them itself when it ends (see request()).
             self._close_sockets()
         self._finalizer.detach()
+        self._close_done = True
 
     def _close_sockets(self) -> None:
         """Release the fds a round polls: pidfds, the socket, the control segment's fd."""
         for w in self.workers:
             if w.pidfd is not None:
+                fd, w.pidfd = w.pidfd, None  # forgotten first: never closed twice (see Lease._give_back)
                 try:
-                    os.close(w.pidfd)
+                    os.close(fd)
                 except OSError:
                     pass
-                w.pidfd = None
         for seg in self._segments:
             seg.close_fd()
         self._segments.clear()
@@ -721,11 +729,11 @@ def _reap(owner: int, workers: list[Worker], segments: list[Segment], sock_path:
     for w in workers:
         _kill(w)
         if w.pidfd is not None:  # (a pool dropped mid-run: the process goes on, and must not keep them)
+            fd, w.pidfd = w.pidfd, None  # forgotten first: never closed twice (see Lease._give_back)
             try:
-                os.close(w.pidfd)
+                os.close(fd)
             except OSError:
                 pass
-            w.pidfd = None
     if not chan.closed:  # no ResourceWarning for a pool nobody closed
         chan.close(linger_ms=0 if launcher.spawns else 1000)  # (a daemon's workers must get the shutdown)
         ctx.term()

@@ -587,3 +587,71 @@ def test_ctrl_c_anywhere_while_attaching_leaves_the_pool_free_for_the_next_wrap(
     assert r["bad"] == [], r["bad"][:5]
     info = status(pool_name)
     assert info["client_pid"] is None and [w["state"] for w in info["workers"]] == ["idle", "idle"]
+
+
+CLOSE_CUT = """
+import gc, json, torch, dpool
+from torch import nn
+from dpool import attach, coordinator, data_parallel, pool, replicate
+from tests.conftest import dpool_segments, dpool_sockets, open_fds
+from tests.helpers import CtrlC
+
+
+def shared(t):
+    with open("/proc/self/maps") as f:
+        spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f if "dpool" in line]
+    return any(lo <= t.data_ptr() < hi for lo, hi in spans)
+
+
+def make():
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    m = dpool.wrap(net, pool={name!r})
+    m(torch.randn(6, 4, dtype=torch.float64)).sum().backward()
+    return net, m
+
+
+fns = [data_parallel.DataParallel.close, coordinator.Runtime.close, replicate.Master.close, pool.Pool.close,
+       pool.Pool._close_sockets, attach.Lease.end, attach.Lease._give_back]
+net, m = make()
+positions = CtrlC.positions(fns, m.close)
+fds, segments, sockets = open_fds(), dpool_segments(), dpool_sockets()
+bad, missed = [], 0
+for code, offset in positions:
+    net, m = make()  # (attaching again also shows that the cut close gave the pool back)
+    with CtrlC(code, offset) as cut:
+        try:
+            m.close()
+        except KeyboardInterrupt:
+            pass
+    missed += not cut.hit
+    try:
+        m.close()  # finishes what the cut one left
+    except Exception as e:
+        bad.append([code.co_name, offset, f"second close: {{type(e).__name__}}: {{e}}"])
+    left = {{"fds": {{k: v for k, v in open_fds().items() if fds.get(k) != v}},
+            "segments": sorted(dpool_segments() - segments), "sockets": sorted(dpool_sockets() - sockets),
+            "shared": [n for n, t in list(net.named_parameters()) + list(net.named_buffers()) if shared(t)]}}
+    if any(left.values()):
+        bad.append([code.co_name, offset, left])
+        fds = open_fds()
+    del m
+    gc.collect()
+print("RESULT " + json.dumps({{"positions": len(positions), "missed": missed, "bad": bad}}))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_anywhere_in_close_is_finished_by_the_next_close(pool_name):
+    # close() marked itself done before its work (DataParallel dropped its runtime, the runtime set its
+    # flag): cut there, the next close() did nothing, and the master's parameters stayed in the shared
+    # mapping with its fd open for the process's life; cut between closing the daemon's pidfd and
+    # forgetting it, the next close() closed that number again (EBADF, or another file's fd) and stopped.
+    # Attached, so that each of the ~50 cuts costs an attach (~0.1 s), not a worker start-up.
+    res = run_script(CLOSE_CUT.format(name=pool_name), timeout=180)
+    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["positions"] > 40 and r["missed"] == 0, r
+    assert r["bad"] == [], r["bad"][:5]
+    info = status(pool_name)
+    assert info["client_pid"] is None and [w["state"] for w in info["workers"]] == ["idle", "idle"]
