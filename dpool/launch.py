@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
 __all__ = ["worker_cpus", "reply_together", "REPLY_TOGETHER_POLICIES", "wait_spin", "WAIT_SPIN_US_DEFAULT",
            "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
            "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES", "WORKER_AFFINITY_POLICIES", "Worker", "Launcher", "Spawn",
-           "start_worker", "join_or_kill", "signal_name", "show_output"]
+           "start_worker", "kill_strays", "WORKER_OF", "join_or_kill", "signal_name", "show_output"]
 
 _DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -280,23 +280,62 @@ def start_worker(boot: P.Boot, threads: int, workers: int, pass_fds: Sequence[in
     env.setdefault("PYTHONUNBUFFERED", "1")  # worker output reaches us as it is written
     cpus = worker_cpus(boot.index, threads, workers, boot.device)
     env["DPOOL_WORKER_CPUS"] = ",".join(map(str, cpus)) if cpus is not None else ""
+    env[WORKER_OF] = boot.prefix  # whose it is, should its handle be lost (see kill_strays)
     if boot.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = visible_device(int(boot.device.split(":")[1]))
         boot.device = "cuda:0"
     proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env, close_fds=True, pass_fds=list(pass_fds))
-    threads_ = []
-    for stream, t, err in ((proc.stdout, None, False), (proc.stderr, tail, True)):
-        th = threading.Thread(target=_pump, args=(stream, label, t, err, sink), name=f"{label} output", daemon=True)
-        th.start()
-        threads_.append(th)
-    assert proc.stdin is not None
     try:
-        proc.stdin.write(boot.pack())
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass  # it died at start: its exit and stderr are reported by whoever waits for its hello
+        threads_ = []
+        for stream, t, err in ((proc.stdout, None, False), (proc.stderr, tail, True)):
+            th = threading.Thread(target=_pump, args=(stream, label, t, err, sink), name=f"{label} output",
+                                  daemon=True)
+            th.start()
+            threads_.append(th)
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(boot.pack())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at start: its exit and stderr are reported by whoever waits for its hello
+    except BaseException:  # (Ctrl-C) nobody else holds this process yet
+        proc.kill()
+        proc.wait()
+        if proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass  # (what was buffered for the dead process)
+        raise
     return proc, threads_
+
+
+WORKER_OF = "DPOOL_WORKER_OF"  # in a spawned worker's environment: its pool's segment prefix
+
+
+def kill_strays(prefix: str, known: Sequence[int]) -> None:
+    """Kill and reap the children started for the pool ``prefix`` that are not in ``known``.
+
+    A Ctrl-C that lands as :func:`start_worker` returns (CPython checks for signals after every call)
+    loses the only handle of a process already running: it would wait for its boot data until this
+    process exits. Its environment still names its pool.
+    """
+    import psutil
+
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return
+    for child in children:
+        if child.pid in known:
+            continue
+        try:
+            if child.environ().get(WORKER_OF) == prefix:
+                child.kill()
+                child.wait(timeout=5.0)
+        except (psutil.Error, OSError):
+            pass  # gone already (or reaped by its Popen meanwhile)
 
 
 def join_or_kill(procs: Sequence[subprocess.Popen], grace: float) -> None:
@@ -410,6 +449,7 @@ class Spawn(Launcher):
             join_or_kill([w.proc for w in pool.workers if w.proc is not None], grace)
         for w in pool.workers:
             pool.kill(w)  # reaped already, or killed now; releases what we held for it
+        kill_strays(pool.prefix, [w.pid for w in pool.workers])
 
     def kill_hung(self, w: Worker) -> None:
         assert w.proc is not None

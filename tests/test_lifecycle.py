@@ -554,3 +554,48 @@ def test_a_sync_batchnorm_round_abandoned_by_ctrl_c_or_a_restart_releases_the_wa
         r = _result(res)
         assert r["error"] == {"ctrl_c": "KeyboardInterrupt", "restart": "WorkerDiedError"}[case], (case, r)
         assert r["same"] == [True] * 3, (case, r)  # (a hang would have raised WorkerTimeoutError in the script)
+
+
+WRAP_CUT = """
+import json, subprocess, psutil, torch, dpool
+from torch import nn
+from dpool import launch
+from tests.conftest import dpool_segments, dpool_sockets, open_fds, wait_for
+from tests.helpers import CtrlC
+
+net = nn.Linear(4, 3)
+fns = [launch.start_worker, launch.Spawn.respawn, launch.Spawn.start]
+positions = CtrlC.positions(fns, lambda: dpool.wrap(net, ["cpu", "cpu"]).close())
+me = psutil.Process()
+fds, segments, sockets = open_fds(), dpool_segments(), dpool_sockets()
+bad, missed = [], 0
+for code, offset in positions:
+    with CtrlC(code, offset) as cut:
+        try:
+            dpool.wrap(net, ["cpu", "cpu"]).close()  # (reached only if the Ctrl-C came in close())
+        except KeyboardInterrupt:
+            pass
+    missed += not cut.hit
+    # subprocess reaps (and frees) a Popen dropped while its process ran at its next start: a handle
+    # lost to the Ctrl-C is one, its pipes open until then
+    subprocess.run(["true"])
+    kids = lambda: [p.pid for p in me.children() if p.status() != psutil.STATUS_ZOMBIE]
+    wait_for(lambda: not kids(), timeout=3)
+    left = {{"children": kids(), "fds": {{k: v for k, v in open_fds().items() if fds.get(k) != v}},
+            "segments": sorted(dpool_segments() - segments), "sockets": sorted(dpool_sockets() - sockets)}}
+    if any(left.values()):
+        bad.append([code.co_name, offset, left])
+        for p in me.children():
+            p.kill()
+        fds = open_fds()
+print("RESULT " + json.dumps({{"positions": len(positions), "missed": missed, "bad": bad}}))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_anywhere_while_a_worker_starts_leaves_no_process_or_fd():
+    # Cut after the worker's process started and before the pool recorded it (inside start_worker, or as
+    # it returned), the process waited for its boot data until this process exited, with three pipes open.
+    r = _result(run_script(WRAP_CUT.format(), timeout=180))
+    assert r["positions"] > 20 and r["missed"] == 0, r
+    assert r["bad"] == [], r["bad"][:5]
