@@ -28,6 +28,15 @@ def run_script(code: str, timeout: float = 90.0, cwd: str | None = None, env: di
                           cwd=cwd or ROOT, env=full_env)
 
 
+def script_result(res: subprocess.CompletedProcess) -> dict:
+    """The JSON a script printed on its last ``RESULT `` line; fails with its output if there is none."""
+    import json
+
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, f"{res.stdout}\n{res.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def run_scripts(codes: list[str], timeout: float = 120.0, env: dict | None = None,
                 at_once: int | None = None) -> list[subprocess.CompletedProcess]:
     """Run several coordinator scripts side by side (slow fault scenarios in parallel), each like ``run_script``.

@@ -16,7 +16,7 @@ import torch
 
 import dpool
 from tests.conftest import wait_for
-from tests.helpers import PYPATH, ROOT, run_script, run_scripts
+from tests.helpers import PYPATH, ROOT, run_script, run_scripts, script_result
 
 pytestmark = pytest.mark.slow
 
@@ -579,10 +579,7 @@ def test_ctrl_c_anywhere_while_attaching_leaves_the_pool_free_for_the_next_wrap(
     # Ctrl-C after the daemon granted the lease and before the client had its reply: the client could not
     # tell the workers (it never learned their names) and lived on, so they served its silent session and
     # the daemon refused every later attach as busy until the process exited (a notebook's kernel).
-    res = run_script(ATTACH_CUT.format(name=pool_name), timeout=240)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, res.stderr[-3000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = script_result(run_script(ATTACH_CUT.format(name=pool_name), timeout=240))
     assert r["positions"] > 30 and r["missed"] == 0, r
     assert r["bad"] == [], r["bad"][:5]
     info = status(pool_name)
@@ -647,10 +644,7 @@ def test_ctrl_c_anywhere_in_close_is_finished_by_the_next_close(pool_name):
     # mapping with its fd open for the process's life; cut between closing the daemon's pidfd and
     # forgetting it, the next close() closed that number again (EBADF, or another file's fd) and stopped.
     # Attached, so that each of the ~50 cuts costs an attach (~0.1 s), not a worker start-up.
-    res = run_script(CLOSE_CUT.format(name=pool_name), timeout=180)
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, res.stderr[-3000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = script_result(run_script(CLOSE_CUT.format(name=pool_name), timeout=180))
     assert r["positions"] > 40 and r["missed"] == 0, r
     assert r["bad"] == [], r["bad"][:5]
     info = status(pool_name)

@@ -5,7 +5,6 @@ Each scenario that needs a coordinator of its own runs as a separate process (``
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,15 +21,9 @@ import torch
 import dpool
 from dpool.daemon_client import runtime_dir
 from tests.conftest import dpool_segments, wait_for
-from tests.helpers import PYPATH, ROOT, run_script, run_scripts
+from tests.helpers import PYPATH, ROOT, run_script, run_scripts, script_result
 
 pytestmark = pytest.mark.slow
-
-
-def _result(res: subprocess.CompletedProcess) -> dict:
-    lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, f"{res.stdout}\n{res.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def _sockets_of(pid: int) -> list[str]:
@@ -92,7 +85,7 @@ def test_forked_child_fails_fast_and_parent_pool_stays_usable():
     # Not run_script: its faulthandler watchdog makes a forked child hang at exit (a CPython limit).
     res = subprocess.run([sys.executable, "-c", FORK], capture_output=True, text=True, timeout=90, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=PYPATH))
-    r = _result(res)
+    r = script_result(res)
     assert r["child_exit"] == 0  # ForkedChildError within a second, then a clean exit
     assert "ForkedChildError" in r["loader"] and "forked child" in r["loader"]
     assert r["parent_same"] is True and r["pids_alive"] is True
@@ -131,7 +124,7 @@ print("RESULT " + json.dumps({"cycles": i + 1, "new_fds": {k: v for k, v in fds(
 
 @pytest.mark.timeout(300)  # 12 worker start-ups: ~18 s on 2 idle cores, more on a busy machine
 def test_wrap_close_cycles_under_ulimit_64_leave_no_fd_mapping_or_thread():
-    r = _result(run_script(CYCLES, timeout=280))
+    r = script_result(run_script(CYCLES, timeout=280))
     # the 33rd wrap() used to fail with EMFILE under ulimit -n 64 (an fd kept per cycle): any fd, mapping or
     # thread a cycle keeps shows after the 8 cycles measured here (one cycle would show it), exactly
     assert r["cycles"] == 12
@@ -482,7 +475,7 @@ def test_ctrl_c_anywhere_in_a_rounds_sends_or_the_forward_leaves_the_pool_exact(
     # reply: wrong numbers), or between two workers' sends of a round that grew a segment (that worker's
     # segment was unlinked before it saw it: every later call failed); or, in the coordinator's forward,
     # after the request and before the call's graph was tracked (the workers kept it for good).
-    r = _result(run_script(CTRL_C, timeout=240))
+    r = script_result(run_script(CTRL_C, timeout=240))
     assert r["positions"] > 20 and r["missed"] == 0, r
     assert r["wrong"] == [], r["wrong"][:10]
     assert r["graphs"] == [0, 0]  # a forward cut after its request used to leave its graph on the workers
@@ -551,7 +544,7 @@ def test_a_sync_batchnorm_round_abandoned_by_ctrl_c_or_a_restart_releases_the_wa
     cases = ["ctrl_c", "restart"]
     results = run_scripts([f"CASE = {c!r}\n" + SYNC_BN_ABANDONED for c in cases], timeout=120)
     for case, res in zip(cases, results):
-        r = _result(res)
+        r = script_result(res)
         assert r["error"] == {"ctrl_c": "KeyboardInterrupt", "restart": "WorkerDiedError"}[case], (case, r)
         assert r["same"] == [True] * 3, (case, r)  # (a hang would have raised WorkerTimeoutError in the script)
 
@@ -596,6 +589,6 @@ print("RESULT " + json.dumps({{"positions": len(positions), "missed": missed, "b
 def test_ctrl_c_anywhere_while_a_worker_starts_leaves_no_process_or_fd():
     # Cut after the worker's process started and before the pool recorded it (inside start_worker, or as
     # it returned), the process waited for its boot data until this process exited, with three pipes open.
-    r = _result(run_script(WRAP_CUT.format(), timeout=180))
+    r = script_result(run_script(WRAP_CUT.format(), timeout=180))
     assert r["positions"] > 20 and r["missed"] == 0, r
     assert r["bad"] == [], r["bad"][:5]
