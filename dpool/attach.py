@@ -53,6 +53,7 @@ class Lease(Launcher):
         self.name = name
         self.daemon_pid = -1
         self.daemon_fd: int | None = None  # readable once the daemon exits
+        self.nonce: bytes | None = None  # the attach's, from before it is sent: the lease to give back
 
     def start(self, pool: "Pool") -> None:
         endpoint, pool_key, _ = locate(self.name)
@@ -62,7 +63,7 @@ class Lease(Launcher):
             session_endpoint = pool.chan.bind("tcp://127.0.0.1:0")
         else:
             session_endpoint = pool.endpoint
-        nonce = secrets.token_bytes(32)
+        nonce = self.nonce = secrets.token_bytes(32)
         pool.rekey(P.session_key(pool_key, nonce))  # the daemon derives the same key; it is never sent
         deadline = time.monotonic() + pool.config.startup_timeout_s
         ask = P.Attach(os.getpid(), session_endpoint, nonce, pool.control.ref(), P.PROTOCOL_VERSION,
@@ -115,7 +116,8 @@ class Lease(Launcher):
     def _give_back(self) -> None:
         """Free the lease at the daemon, and stop watching it."""
         try:
-            request(self.name, P.Detach(os.getpid()), timeout=2.0)
+            if self.nonce is not None:  # (asked for one, granted or not: a Ctrl-C may have cut the answer)
+                request(self.name, P.Detach(os.getpid(), self.nonce), timeout=2.0)
         except Exception:
             pass  # the daemon is gone, or will notice our exit through our pidfd
         if self.daemon_fd is not None:

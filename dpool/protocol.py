@@ -101,7 +101,8 @@ __all__ = [
     "Failed",
 ]
 
-PROTOCOL_VERSION = 13  # 13: end_serve (the daemon ends a serving worker's session when its client detaches)
+PROTOCOL_VERSION = 13  # 13: end_serve (the daemon ends a serving worker's session when its client detaches);
+# detach names the lease by its attach nonce
 # 12: the envelope carries ``re``, the request a message was sent for
 # 11: forward_done names the attributes the forward set to tensors requiring grad;
 # backward may drop gradients the worker holds (zero_grad() during no_sync())
@@ -663,11 +664,14 @@ def session_key(pool_key: bytes, nonce: bytes) -> bytes:
     return hmac.digest(pool_key, b"dpool session key\x00" + nonce, "sha256")
 
 
-@_message("detach", pid=_INT)
+@_message("detach", pid=_INT, nonce=_BYTES)
 class Detach(Message):
-    """Client → daemon: the session of client ``pid`` is over (its workers were told to end it)."""
+    """Client → daemon: the session of client ``pid`` that its attach with ``nonce`` began is over (its
+    workers were told to end it, if it knew them). The nonce names the lease: a second ``wrap()`` of
+    the same process, refused or cut short, must not end the first one's."""
 
     pid: int
+    nonce: bytes
 
 
 @_message("detach_done")

@@ -649,3 +649,33 @@ def test_ctrl_c_anywhere_in_close_is_finished_by_the_next_close(pool_name):
     assert r["bad"] == [], r["bad"][:5]
     info = status(pool_name)
     assert info["client_pid"] is None and [w["state"] for w in info["workers"]] == ["idle", "idle"]
+
+
+SECOND_WRAP = """
+import json, os, torch, dpool
+from tests.test_daemon import status
+net1, net2 = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+first = dpool.wrap(net1, pool={name!r})
+x = torch.randn(6, 4)
+try:
+    dpool.wrap(net2, pool={name!r})
+    refused = None
+except dpool.WorkerStartError as e:
+    refused = str(e)
+holder = status({name!r})["client_pid"]
+with torch.no_grad():
+    same = torch.equal(first(x), net1(x))
+first.close()
+print("RESULT " + json.dumps({{"refused": refused, "holder": holder, "me": os.getpid(), "same": same}}))
+"""
+
+
+def test_a_second_wrap_refused_by_a_pool_in_use_leaves_the_first_attached(pool_name):
+    # The refused attach gave back a lease by pid, its own process's: the daemon freed the first model's
+    # lease (status showed no client while it trained), and since the daemon ends the workers' session on
+    # a detach, the first model broke. A detach now names its lease by the attach's nonce.
+    r = script_result(run_script(SECOND_WRAP.format(name=pool_name)))
+    assert r["refused"] is not None and f"in use by pid {r['me']}" in r["refused"], r
+    assert r["holder"] == r["me"] and r["same"] is True, r
+    info = status(pool_name)
+    assert info["client_pid"] is None and [w["state"] for w in info["workers"]] == ["idle", "idle"]

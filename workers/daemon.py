@@ -137,6 +137,7 @@ class Daemon:
         self.poller.register(self.sock, zmq.POLLIN)
         self.workers = [_W(i, d) for i, d in enumerate(devices)]
         self.client: int | None = None
+        self.client_nonce = b""  # the attach nonce of the client's lease: its detach must name it
         self.client_fd = -1
         self.attached_at = 0.0
         self.stopping = False
@@ -240,7 +241,7 @@ class Daemon:
             if isinstance(msg, P.Attach):
                 self.attach(ident, msg)
             elif isinstance(msg, P.Detach):
-                if msg.pid == self.client:
+                if msg.pid == self.client and msg.nonce == self.client_nonce:
                     log.info("client %d detached", msg.pid)
                     self.release()
                 self.send(ident, P.DetachDone())
@@ -278,7 +279,7 @@ class Daemon:
             self.client_fd = -1
             return refuse(str(exc))
         self.poller.register(self.client_fd, 1)
-        self.client, self.attached_at = msg.pid, time.time()
+        self.client, self.client_nonce, self.attached_at = msg.pid, msg.nonce, time.time()
         out = []
         for w in self.workers:
             session_ident = b"a" + w.ident + b"." + secrets.token_hex(8).encode()
