@@ -685,12 +685,7 @@ class Pool:
     def _close_sockets(self) -> None:
         """Release the fds a round polls: pidfds, the socket, the control segment's fd."""
         for w in self.workers:
-            if w.pidfd is not None:
-                fd, w.pidfd = w.pidfd, None  # forgotten first: never closed twice (see Lease._give_back)
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            _close_pidfd(w)
         for seg in self._segments:
             seg.close_fd()
         self._segments.clear()
@@ -728,15 +723,21 @@ def _reap(owner: int, workers: list[Worker], segments: list[Segment], sock_path:
     launcher.abandon(chan, workers)  # a daemon's workers: told to drop our replica, and the lease freed
     for w in workers:
         _kill(w)
-        if w.pidfd is not None:  # (a pool dropped mid-run: the process goes on, and must not keep them)
-            fd, w.pidfd = w.pidfd, None  # forgotten first: never closed twice (see Lease._give_back)
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close_pidfd(w)  # (a pool dropped mid-run: the process goes on, and must not keep them)
     if not chan.closed:  # no ResourceWarning for a pool nobody closed
         chan.close(linger_ms=0 if launcher.spawns else 1000)  # (a daemon's workers must get the shutdown)
         ctx.term()
+
+
+def _close_pidfd(w: Worker) -> None:
+    """Close ``w``'s pidfd if it has one, forgetting it first: a close cut short (Ctrl-C) and run again
+    never closes the number twice (by then it may be another file's)."""
+    fd, w.pidfd = w.pidfd, None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _unlink_socket(path: str) -> None:
