@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import dpool
-from tests.helpers import assert_unchanged, snapshot
+from tests.helpers import assert_unchanged, running, snapshot
 
 
 _TRIGGER = 100
@@ -255,7 +255,7 @@ def restart_phase(phase: str) -> dict:
 
     def kill() -> None:
         os.kill(victim, signal.SIGKILL)
-        while psutil.pid_exists(victim) and psutil.Process(victim).status() != psutil.STATUS_ZOMBIE:
+        while running(victim):
             time.sleep(0.01)
         time.sleep(0.3)  # long enough for ZeroMQ to see the peer gone: the next send to it fails
 

@@ -7,12 +7,22 @@ import subprocess
 import sys
 import textwrap
 
+import psutil
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # PYTHONPATH for child processes: this checkout first, then whatever the environment adds (a GPU
 # machine's offline site of dependencies, see scripts/gpu-test.sh).
 PYPATH = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` is still running. An exited process that is not our child stays a zombie
+    until init reaps it, which some container inits do only every second or two: it has exited all the same."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def run_script(code: str, timeout: float = 90.0, cwd: str | None = None, env: dict | None = None,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import dpool
 from dpool.transport import cuda_ipc
-from tests.helpers import run_scripts
+from tests.helpers import run_scripts, running
 from tests.models import CNN, MLP, batch, gpu_numerics, loss_of, make
 from tests.reference import per_shard
 
@@ -564,8 +564,6 @@ def test_daemon_gpu_workers():
     close() and a client's SIGKILL give every GPU byte back, and the next client trains."""
     import uuid
 
-    import psutil
-
     from tests.conftest import wait_for
     from tests.helpers import run_script
     import json
@@ -628,7 +626,7 @@ def test_daemon_gpu_workers():
         train()  # the next client gets a clean pool
     finally:
         cli("stop", "--name", name)
-        assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=15), "daemon or workers left"
+        assert wait_for(lambda: not any(running(p) for p in pids), timeout=15), "daemon or workers left"
 
 
 # ---------------------------------------------------------------------- faults, one coordinator each
@@ -798,7 +796,6 @@ def _torch_files(pid: int) -> list[str]:
 def test_gpu_faults():
     """Worker SIGKILL (mid forward, backward, copy), SIGSTOP, device-side assert, OOM, ten restarts,
     coordinator SIGKILL: in parallel."""
-    import psutil
 
     names = list(_SCENARIOS)
     # the user's allocator setting must not reach dpool's shared arenas (those cannot be expandable)
@@ -810,7 +807,7 @@ def test_gpu_faults():
             coordinator, *pids = [int(p) for p in r.stdout.split("PIDS", 1)[1].split()]
             from tests.conftest import wait_for
 
-            assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10.0), pids
+            assert wait_for(lambda: not any(running(p) for p in pids), timeout=10.0), pids
             # torch's IPC reference-counter file of the dead coordinator is removed too
             assert wait_for(lambda: not _torch_files(coordinator), timeout=5.0), _torch_files(coordinator)
             continue

@@ -16,7 +16,7 @@ import torch
 
 import dpool
 from tests.conftest import wait_for
-from tests.helpers import PYPATH, ROOT, run_script, run_scripts, script_result
+from tests.helpers import PYPATH, ROOT, run_script, run_scripts, running, script_result
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def _running_pool(*start_args: str):
     pids = all_pids(name)
     yield name, res
     cli("stop", "--name", name)
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10), "daemon or workers left"
+    assert wait_for(lambda: not any(running(p) for p in pids), timeout=10), "daemon or workers left"
 
 
 @pytest.fixture
@@ -463,14 +463,14 @@ def _daemon_killed_mid_step(name: str) -> None:
     assert res.returncode == 0, res.stderr
     line = [l for l in res.stdout.splitlines() if l.startswith("LOST")][0]
     assert "daemon of pool" in line and "is gone" in line and float(line.split()[1]) < 5
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10)
+    assert wait_for(lambda: not any(running(p) for p in pids), timeout=10)
     # the crashed daemon left its state file behind; the next start cleans up and works
     assert cli("start", "--name", name, "--device-ids", "cpu").returncode == 0
     pids = all_pids(name)
     with dpool.wrap(torch.nn.Linear(4, 4), pool=name) as model:
         model(torch.randn(4, 4)).sum().backward()
     assert cli("stop", "--name", name).returncode == 0
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10)
+    assert wait_for(lambda: not any(running(p) for p in pids), timeout=10)
 
 
 def test_list_version_and_status_without_name(tmp_path):
@@ -499,7 +499,7 @@ def test_list_version_and_status_without_name(tmp_path):
         pid = json.loads(res.stdout)["pid"]
     finally:
         assert run("stop").returncode == 0  # no --name either
-    assert wait_for(lambda: not psutil.pid_exists(pid), timeout=10)
+    assert wait_for(lambda: not running(pid), timeout=10)
 
 
 def test_steps_served_is_live_and_the_log_is_timestamped(pool_name):

@@ -15,7 +15,7 @@ import dpool
 from tests import models
 from tests.conftest import wait_for
 from tests.fault_scenarios import Fault, Victim, batch
-from tests.helpers import assert_unchanged, run_script, snapshot
+from tests.helpers import assert_unchanged, run_script, running, snapshot
 
 
 def train_step(model, opt, x):
@@ -63,8 +63,8 @@ def test_close_and_context_manager_leave_nothing():
     with dpool.wrap(models.make("mlp"), ["cpu", "cpu"]) as model:
         pids = model.pids
         model(torch.randn(4, 12, dtype=torch.float64))
-        assert all(psutil.pid_exists(p) for p in pids)
-    assert not any(psutil.pid_exists(p) for p in pids)
+        assert all(running(p) for p in pids)
+    assert not any(running(p) for p in pids)
 
 
 COORDINATOR = """
@@ -81,14 +81,14 @@ def test_coordinator_exit_without_close():
     res = run_script(COORDINATOR.format(ending="sys.exit(0)"))
     assert res.returncode == 0, res.stderr
     pids = json.loads(res.stdout.splitlines()[-1])
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=5)
+    assert wait_for(lambda: not any(running(p) for p in pids), timeout=5)
 
 
 def test_coordinator_exception_exit():
     res = run_script(COORDINATOR.format(ending="raise SystemExit('boom')"))
     assert res.returncode == 1 and "boom" in res.stderr
     pids = json.loads(res.stdout.splitlines()[-1])
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=5)
+    assert wait_for(lambda: not any(running(p) for p in pids), timeout=5)
 
 
 def test_workers_exit_when_coordinator_is_killed():
@@ -96,7 +96,7 @@ def test_workers_exit_when_coordinator_is_killed():
     assert res.returncode == -signal.SIGKILL
     pids = json.loads(res.stdout.splitlines()[-1])
     # the workers are orphans now (not our children): they must notice and exit on their own
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=5), "workers outlived the coordinator"
+    assert wait_for(lambda: not any(running(p) for p in pids), timeout=5), "workers outlived the coordinator"
 
 
 def test_model_class_defined_in_main():

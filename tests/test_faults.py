@@ -11,11 +11,10 @@ import json
 import signal
 import subprocess
 
-import psutil
 import pytest
 
 from tests.conftest import wait_for
-from tests.helpers import run_script, run_scripts
+from tests.helpers import run_script, run_scripts, running
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +62,7 @@ def fault(name: str, **params) -> dict:
     out = json.loads(lines[-1][len("RESULT "):])
     out["stderr"] = res.stderr
     pids = out["pids"] + out["pids_after"]
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10), "leaked worker processes"
+    assert wait_for(lambda: not any(running(p) for p in pids), timeout=10), "leaked worker processes"
     return out
 
 
@@ -166,7 +165,7 @@ def test_r2_every_call_after_a_restart_runs_normally():
         assert r["next_s"] < 30, (phase, r)  # bounded by the 6 s sleep of mid_step_other_busy, far from a hang
         assert r["bitwise_equal"] is True, (phase, r)
         pids = r["pids"] + r["pids_after"]
-        assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10), (phase, "leaked workers")
+        assert wait_for(lambda: not any(running(p) for p in pids), timeout=10), (phase, "leaked workers")
 
 
 @pytest.mark.parametrize("name,how", [("segfault", "killed by SIGSEGV"), ("exit0", "exited with code 0")])

@@ -14,14 +14,13 @@ import warnings
 import gc
 import weakref
 
-import psutil
 import pytest
 import torch
 
 import dpool
 from dpool.daemon_client import runtime_dir
 from tests.conftest import dpool_segments, wait_for
-from tests.helpers import PYPATH, ROOT, run_script, run_scripts, script_result
+from tests.helpers import PYPATH, ROOT, run_script, run_scripts, running, script_result
 
 pytestmark = pytest.mark.slow
 
@@ -158,15 +157,13 @@ def test_a_model_dropped_without_close_takes_its_workers_with_it():
         for criterion in (False, True):
             pool, pids = _train_and_drop(criterion, optimizer=False)
             assert pool() is None  # no collection ran: nothing kept it in a cycle
-            assert wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                            for p in pids), timeout=10)
+            assert wait_for(lambda: not any(running(p) for p in pids), timeout=10)
     finally:
         gc.enable()
     pools = [_train_and_drop(criterion, optimizer=True) for criterion in (False, True)]
     gc.collect()
     assert all(pool() is None for pool, _ in pools)
-    assert wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                    for _, pids in pools for p in pids), timeout=10)
+    assert wait_for(lambda: not any(running(p) for _, pids in pools for p in pids), timeout=10)
 
 
 # ------------------------------------------------------------------------------------------ exits
@@ -198,7 +195,7 @@ def test_socket_files_removed_at_exit_sigterm_and_swept():
     assert _sockets_of(me) == []  # the name goes as soon as every worker has connected
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in workers), timeout=10)
+    assert wait_for(lambda: not any(running(p) for p in workers), timeout=10)
     assert _sockets_of(me) == [] and _segments_of(me) == []
     # a dead owner's socket file (coordinator and workers killed together) is swept by the next wrap()
     stale = os.path.join(runtime_dir(), f"dpool-{os.getuid()}-999999-0badf00d.sock")
@@ -226,7 +223,7 @@ def test_jupyter_kernel_shut_down_gracefully_leaves_no_socket_file():
     res = run_script(code)
     assert res.returncode == 0, res.stderr[-3000:]
     kernel, *workers = _pids(res.stdout)
-    assert wait_for(lambda: not any(psutil.pid_exists(p) for p in [kernel, *workers]), timeout=10)
+    assert wait_for(lambda: not any(running(p) for p in [kernel, *workers]), timeout=10)
     assert _sockets_of(kernel) == [] and _segments_of(kernel) == []
 
 
@@ -275,7 +272,7 @@ def test_coordinator_sigkilled_while_growing_segments_leaves_nothing():
     # the 1st and the 2nd new 16 MiB input segment: before any worker has seen either
     for stdout, me in _kill_scenarios([(16 << 20, 1, GROWTH), (16 << 20, 2, GROWTH)]):
         workers = _pids(stdout)[1:]
-        assert wait_for(lambda: not any(psutil.pid_exists(p) for p in workers), timeout=10), "workers left"
+        assert wait_for(lambda: not any(running(p) for p in workers), timeout=10), "workers left"
         assert wait_for(lambda: not _segments_of(me) and not _sockets_of(me), timeout=5), _segments_of(me)
 
 
@@ -308,7 +305,7 @@ def test_wrapping_a_bound_module_again_never_binds_two_pools():
         with pytest.warns(UserWarning, match="already bound to a live dpool pool"):
             b = dpool.wrap(net, ["cpu"])  # other arguments: the old pool is closed first
         assert a.pids == [] and b.pids and not set(b.pids) & set(old)
-        assert wait_for(lambda: not any(psutil.pid_exists(p) for p in old), timeout=10)
+        assert wait_for(lambda: not any(running(p) for p in old), timeout=10)
         with pytest.raises(dpool.PoolBrokenError, match="closed"):
             a(torch.randn(2, 4))
         b(torch.randn(3, 4)).sum().backward()

@@ -15,7 +15,6 @@ from random import uniform as _py_uniform
 from typing import Any
 
 import numpy
-import psutil
 import pytest
 import torch
 from torch import nn
@@ -24,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dpool
 from tests import models
+from tests.helpers import running
 
 
 def test_concurrent_calls_from_threads_match_the_reference(wrap):
@@ -1092,7 +1092,7 @@ class _Patchable(nn.Module):
 
 def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+    while running(pid):
         time.sleep(0.01)
     time.sleep(0.3)  # long enough for ZeroMQ to see the peer gone
 

@@ -40,9 +40,9 @@ def daemon_pools():
     import sys
     import uuid
 
-    import psutil
 
     from tests.conftest import wait_for
+    from tests.helpers import running
     from tests.helpers import ROOT
 
     def cli(*args):
@@ -67,7 +67,7 @@ def daemon_pools():
             except Exception:
                 pass
             cli("stop", "--name", name)
-        assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10)
+        assert wait_for(lambda: not any(running(p) for p in pids), timeout=10)
 
 
 @pytest.mark.parametrize("name", MODELS)
