@@ -49,11 +49,41 @@ def _running_pool(*start_args: str):
     assert wait_for(lambda: not any(running(p) for p in pids), timeout=10), "daemon or workers left"
 
 
+def _idle(name: str) -> bool:
+    """Whether the pool answers, has no client, and all its workers are idle (within 10 s)."""
+    def check() -> bool:
+        res = cli("status", "--name", name, "--json")
+        if res.returncode != 0:
+            return False
+        info = json.loads(res.stdout)
+        return info["client_pid"] is None and all(w["state"] == "idle" for w in info["workers"])
+
+    return wait_for(check, timeout=10, interval=0.2)
+
+
+@pytest.fixture(scope="module")
+def _shared_pool():
+    """The module's one pool for :func:`pool_name`: {"name", "stop"} while one runs."""
+    held: dict = {}
+    yield held
+    if held:
+        held["stop"]()
+
+
 @pytest.fixture
-def pool_name():
-    """A started pool (2 CPU workers) that is stopped, and checked gone, after the test."""
-    for name, _ in _running_pool():
-        yield name
+def pool_name(_shared_pool):
+    """A started pool (2 CPU workers), shared by the tests that leave it idle, as a daemon serves script
+    after script for its users (and a start costs 2.4 s here). After a test that leaves it otherwise
+    (a client still attached, a worker not back, no answer) it is stopped, checked gone, and the next
+    test gets a new one. The last one is stopped, and checked gone, after the module."""
+    if not _shared_pool:
+        started = _running_pool()
+        name, _ = next(started)
+        _shared_pool.update(name=name, stop=lambda: next(started, None))
+    yield _shared_pool["name"]
+    if not _idle(_shared_pool["name"]):
+        _shared_pool.pop("stop")()
+        _shared_pool.clear()
 
 
 TRAIN = """
@@ -377,6 +407,7 @@ def test_heap_kept_while_serving_is_given_back_on_detach(pool_name):
 
 
 def test_worker_dying_inside_the_daemon(pool_name):
+    restarts = status(pool_name)["workers"][1]["restarts"]
     model = dpool.wrap(torch.nn.Linear(4, 4), pool=pool_name)
     victim = model.pids[1]
     os.kill(victim, signal.SIGKILL)
@@ -385,7 +416,7 @@ def test_worker_dying_inside_the_daemon(pool_name):
     model.close()
     assert wait_for(lambda: all(w["state"] == "idle" for w in status(pool_name)["workers"]), timeout=30)
     info = status(pool_name)
-    assert info["workers"][1]["restarts"] == 1 and info["workers"][1]["pid"] != victim
+    assert info["workers"][1]["restarts"] == restarts + 1 and info["workers"][1]["pid"] != victim
     with dpool.wrap(torch.nn.Linear(4, 4), pool=pool_name) as again:  # the client can carry on
         again(torch.randn(8, 4)).sum().backward()
 
