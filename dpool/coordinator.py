@@ -47,8 +47,8 @@ from .buffers import BufferCommit
 from .config import Config
 from .cpus import physical_cores
 from .crossnode import FORWARD, CrossNode, CrossNodeReducer
-from .errors import (DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError, WorkerDiedError,
-                     WorkerStartError, WorkerTimeoutError, remote_error)
+from .errors import (DpoolValueError, ModelChangedError, PoolBrokenError, UnpicklableModelError, UnsupportedError,
+                     WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error)
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
 from .launch import reply_together, wait_spin
 from .layout import Layout
@@ -126,6 +126,7 @@ class Runtime:
         self.graphs = Graphs()
         self._closed = False
         self.restarts_left = max_restarts
+        self._restarting: list[int] | None = None  # workers whose restart a Ctrl-C cut short (_check_usable ends it)
         self.balancer = _scatter.Balancer(self.n, shard_weights, balance)
         self.no_sync = False
         # The workers' gradient slots change with every backward (a criterion's speculative one included),
@@ -505,20 +506,29 @@ class Runtime:
                 self.stats.restarts += len(dead)
                 log.warning("%s; restarting worker(s) %s (%d restart(s) left)", str(exc).split("\n", 1)[0], dead,
                             self.restarts_left)
-                try:
-                    self._restart(dead)
-                except BaseException as again:
-                    self.pool.break_pool(str(again))
-                    exc.args = (f"{exc.args[0]} Restarting it failed too ({again}); the pool is broken; "
-                                "the master module is unchanged (dpool.unwrap(model) returns it).",)
-                    raise exc from again
-                exc.restarted = True  # type: ignore[union-attr]
                 lost = ""
                 if self._workers_hold:  # their no_sync() gradients are gone: the held sums miss them
                     self._held.lost(self.module, self.params, f"worker(s) {dead} were restarted at step "
                                     f"{self.pool.step}")
                     lost = (" The gradients model.no_sync() had accumulated on them were lost: call "
                             "optimizer.zero_grad() and accumulate again (the next backward raises until then).")
+                self._restarting = dead
+                try:
+                    self._restart(dead)
+                except Exception as again:
+                    self.pool.break_pool(str(again))
+                    exc.args = (f"{exc.args[0]} Restarting it failed too ({again!r}); the pool is broken; "
+                                "the master module is unchanged (dpool.unwrap(model) returns it).",)
+                    raise exc from again
+                except BaseException as cut:  # Ctrl-C: the next call finishes the restart (_check_usable)
+                    note = (f"dpool: this interrupted the restart of worker(s) {dead} after: {str(exc).splitlines()[0]} "
+                            "The next call to the model finishes the restart first; model.close() ends the pool.")
+                    if sys.version_info >= (3, 11):
+                        cut.add_note(note)
+                    else:
+                        log.warning("%s", note)
+                    raise
+                exc.restarted = True  # type: ignore[union-attr]
                 exc.args = (f"{exc.args[0]} Worker(s) {dead} were restarted and re-synced from the master "
                             f"({self.restarts_left} restart(s) left): the master module is unchanged and the next "
                             f"call runs on the restarted pool.{lost}",)
@@ -545,7 +555,27 @@ class Runtime:
             "CUDA context is unaffected.",
             worker=lost[0], device=w.device, pid=w.pid, step=self.pool.step, workers=lost)
 
+    def _check_usable(self) -> None:
+        """Raise if the pool cannot serve a call; first finish a restart that a Ctrl-C cut short."""
+        self.pool.check_usable()
+        if self._restarting is not None:
+            dead = self._restarting
+            log.warning("finishing the restart of worker(s) %s that a Ctrl-C interrupted", dead)
+            try:
+                self._restart(dead)
+            except Exception as exc:
+                self.pool.break_pool(f"restarting worker(s) {dead} failed: {exc!r}")
+                raise PoolBrokenError(
+                    f"restarting worker(s) {dead} (interrupted by a Ctrl-C in an earlier call) failed: {exc!r}. "
+                    "The pool is broken; the master module is unchanged (dpool.unwrap(model) returns it)."
+                ) from exc
+
     def _restart(self, indices: list[int]) -> None:
+        """Replace the workers ``indices`` and re-sync them from the master. A Ctrl-C may cut it anywhere:
+        it then runs again, whole, at the next call (:meth:`_check_usable`)."""
+        # Graphs kept by the dead worker are gone: calls made so far can no longer be backpropagated.
+        self.graphs.lose_all()
+        self._slot_gen += 1  # (first, so that a cut restart leaves no speculative result looking valid)
         self.pool.respawn(indices)
         for i in indices:
             self.states[i] = self.pool.new_segment(self.layout.size, min_size=64, device=self.devices[i], owner=i)
@@ -557,12 +587,10 @@ class Runtime:
         if 0 in indices and self.layout.buffer_range is not None:
             a, b = self.layout.buffer_range
             self._first_buffers = self.states[0].u8[a:b]
-        # Graphs kept by the dead worker are gone: calls made so far can no longer be backpropagated.
-        self.graphs.lose_all()
-        self._slot_gen += 1
         self._sent_flags = None  # a new process starts with torch's default numerics settings
         self._sent_numerics = None
         self._init_workers(indices)
+        self._restarting = None
 
     def _resized_buffer_hint(self, index: int | None) -> str:
         """What to do about a forward that resized buffer ``index`` in place (None: torch's own error, which
@@ -634,7 +662,7 @@ class Runtime:
 
     def _forward(self, args: tuple, kwargs: dict, synced: bool) -> Any:
         pool = self.pool
-        pool.check_usable()
+        self._check_usable()
         if self.master.changed or self.master.touched():
             self._follow_changes()
         relaid = self.master.check_bindings()
@@ -807,7 +835,7 @@ class Runtime:
         gradients in the slots and needs no round of its own. See :class:`dpool.loss.Speculation`.
         """
         pool, state = self.pool, handle._state
-        pool.check_usable()
+        self._check_usable()
         fn = crit.payload()  # (the loss may have changed since the last step)
         if not self.graphs.kept(state.call):
             raise RuntimeError("the outputs of this forward are no longer on the workers (released or restarted)")
@@ -874,6 +902,7 @@ class Runtime:
         """The gradients of a criterion's loss whose backward the workers ran right after it (see
         :meth:`criterion`), if ``seed`` (this backward's gradient for each shard's loss) is bitwise the one
         they used and their slots still hold the result; ``None``: run the backward round instead."""
+        self._check_usable()  # (first: finishing a cut restart changes the slots and loses the graphs)
         guess.settled = True
         hit = guess.hit(seed)
         crit._speculate = hit  # a miss (a scaled loss, GradScaler) turns speculation off until a would-be hit
@@ -881,7 +910,6 @@ class Runtime:
                 or torch.is_grad_enabled() or self.graphs.lost(state.call) or self.params_changed(state)
                 or guess.flags != bytes(p.requires_grad for p in self.params)):
             return None
-        self.pool.check_usable()
         replies = guess.replies
         k = state.k
         param_grads = self.reducer.reduce([self._grad_slots[s] for s in range(k)], [r.param_mask for r in replies])
@@ -900,7 +928,7 @@ class Runtime:
     def gather_kept(self, handle: Any) -> Any:
         """Gather outputs kept on the workers, through the autograd bridge."""
         state = handle._state
-        self.pool.check_usable()
+        self._check_usable()
         if not self.graphs.kept(state.call):
             raise RuntimeError("the outputs of this forward are no longer on the workers (released or restarted)")
         sizes = {s: sum(meta_nbytes(m) for m in state.metas[s]) or 64 for s in range(state.k)}
@@ -941,7 +969,7 @@ class Runtime:
                   pieces: list[list[torch.Tensor | None]] | None,
                   param_idx: Sequence[int]) -> list[torch.Tensor | None]:
         pool = self.pool
-        pool.check_usable()
+        self._check_usable()
         if self.graphs.lost(state.call):
             raise RuntimeError(
                 "the autograd graph of this forward was lost when a dpool worker was restarted; "
@@ -1116,7 +1144,7 @@ class Runtime:
     @_one_call_at_a_time
     def double_backward(self, double: Any, vs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Differentiate the gradients of a ``create_graph=True`` backward (see ``DoubleBridge``)."""
-        self.pool.check_usable()
+        self._check_usable()
         if self.graphs.lost(double.call):
             raise RuntimeError("the graph of these gradients was lost when a dpool worker was restarted")
         self.check_params(double.state)
@@ -1143,12 +1171,14 @@ class Runtime:
 
     @_one_call_at_a_time
     def call_workers(self, fn: Any) -> list[Any]:
+        self._check_usable()
         self._slot_gen += 1  # fn may run anything on the replicas, a backward included
         return list(self._call(range(self.n), fn).values())
 
     @_one_call_at_a_time
     def inspect(self) -> list[tuple[int, int]]:
         """Per worker: the graphs it keeps for us, and its resident memory in bytes (one round trip)."""
+        self._check_usable()
         try:
             release = self.graphs.collect(self.io.release)
             replies = self._request({i: P.Inspect(release) for i in range(self.n)}, "reporting its state")

@@ -271,22 +271,26 @@ class Pool:
         self._poller.register(w.pidfd, zmq.POLLIN)
 
     def respawn(self, indices: Sequence[int]) -> None:
-        """Replace the (dead or hung) workers ``indices`` by fresh processes; they still need ``init``."""
+        """Replace the (dead or hung) workers ``indices`` by fresh processes; they still need ``init``.
+
+        Cut short (a Ctrl-C), it can run again for the same ``indices``: each worker there, old or half
+        started, is forgotten (killed and reaped) before its replacement starts, and the socket file goes.
+        """
         # A fresh name to connect to (the first one was removed once every worker had connected).
         self.sock_path = os.path.join(os.path.dirname(self.sock_path), f"{self.prefix}-r{self._generation + 1}.sock")
         self.endpoint = "ipc://" + self.sock_path
-        self.chan.bind(self.endpoint)
-        for idx in indices:
-            old = self.workers[idx]
-            self._forget(old)
-            self._generation += 1
-            w = Worker(idx, old.device, self._generation)
-            self.workers[idx] = w
-            self.exiting.discard(idx)
-            self._asked[idx] = -1
-            self._beats[idx] = time.monotonic_ns()
-            self.launcher.respawn(self, w)
         try:
+            self.chan.bind(self.endpoint)
+            for idx in indices:
+                old = self.workers[idx]
+                self._forget(old)
+                self._generation += 1
+                w = Worker(idx, old.device, self._generation)
+                self.workers[idx] = w
+                self.exiting.discard(idx)
+                self._asked[idx] = -1
+                self._beats[idx] = time.monotonic_ns()
+                self.launcher.respawn(self, w)
             self._await_hello(set(indices))
         finally:
             _unlink_socket(self.sock_path)
