@@ -430,11 +430,14 @@ class Spawn(Launcher):
 
     def start(self, pool: "Pool") -> None:
         for w in pool.workers:
-            self.respawn(pool, w)
+            self._start(pool, w)
 
     def respawn(self, pool: "Pool", w: Worker) -> None:
         # A restart that a Ctrl-C cut as start_worker returned lost that process's handle: end it first.
         kill_strays(pool.prefix, [x.pid for x in pool.workers])
+        self._start(pool, w)
+
+    def _start(self, pool: "Pool", w: Worker) -> None:
         boot = P.Boot("embedded", pool.key, pool.endpoint, w.index, w.ident, w.device, os.getpid(), pool.threads,
                       pool.config.shm_dir, pool.prefix, pool.control.fd_ref(), None,
                       pool.config.heartbeat_interval_s, pool.config.max_message_bytes)

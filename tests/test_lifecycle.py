@@ -554,7 +554,7 @@ from tests.conftest import dpool_segments, dpool_sockets, open_fds, wait_for
 from tests.helpers import CtrlC
 
 net = nn.Linear(4, 3)
-fns = [launch.start_worker, launch.Spawn.respawn, launch.Spawn.start]
+fns = [launch.start_worker, launch.Spawn._start, launch.Spawn.start]
 positions = CtrlC.positions(fns, lambda: dpool.wrap(net, ["cpu", "cpu"]).close())
 me = psutil.Process()
 fds, segments, sockets = open_fds(), dpool_segments(), dpool_sockets()
@@ -625,7 +625,8 @@ def restart():  # the next call finds the death, restarts the worker, and raises
 
 
 fns = [coordinator.Runtime._restart, coordinator.Runtime._init_workers, pools.Pool.respawn, pools.Pool._forget,
-       pools.Pool._await_hello, launch.Spawn.respawn, launch.start_worker]
+       pools.Pool._await_hello, launch.Spawn.respawn, launch.Spawn._start,
+       launch.start_worker]
 positions = CtrlC.positions(fns, restart)
 me = psutil.Process()
 trials = []
