@@ -564,6 +564,7 @@ class Runtime:
             try:
                 self._restart(dead)
             except Exception as exc:
+                self._restarting = None  # (nothing left to finish: the pool is broken)
                 self.pool.break_pool(f"restarting worker(s) {dead} failed: {exc!r}")
                 raise PoolBrokenError(
                     f"restarting worker(s) {dead} (interrupted by a Ctrl-C in an earlier call) failed: {exc!r}. "

@@ -63,17 +63,17 @@ def run_scripts(codes: list[str], timeout: float = 120.0, env: dict | None = Non
     head = "import faulthandler, sys\nfaulthandler.dump_traceback_later(%r, exit=True)\n" % (timeout - 5)
     limit = at_once or len(codes)
     results: list[subprocess.CompletedProcess | None] = [None] * len(codes)
-    running: dict[int, tuple[subprocess.Popen, float]] = {}
+    live: dict[int, tuple[subprocess.Popen, float]] = {}
     waiting = list(range(len(codes)))
-    while waiting or running:
-        while waiting and len(running) < limit:
+    while waiting or live:
+        while waiting and len(live) < limit:
             i = waiting.pop(0)
             p = subprocess.Popen([sys.executable, "-c", head + textwrap.dedent(codes[i])], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, cwd=ROOT, env=full_env)
-            running[i] = (p, time.monotonic())
+            live[i] = (p, time.monotonic())
         # communicate() with the oldest: it drains its pipes (a full pipe would block the child) until it ends
-        i = min(running, key=lambda k: running[k][1])
-        p, started = running.pop(i)
+        i = min(live, key=lambda k: live[k][1])
+        p, started = live.pop(i)
         try:
             out, err = p.communicate(timeout=max(0.1, started + timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
