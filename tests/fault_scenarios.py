@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import dpool
-from tests.helpers import assert_unchanged, running, snapshot
+from tests.helpers import assert_unchanged, sigkill, snapshot
 
 
 _TRIGGER = 100
@@ -254,10 +254,7 @@ def restart_phase(phase: str) -> dict:
     out: dict = {"pids": pids, "phase": phase}
 
     def kill() -> None:
-        os.kill(victim, signal.SIGKILL)
-        while running(victim):
-            time.sleep(0.01)
-        time.sleep(0.3)  # long enough for ZeroMQ to see the peer gone: the next send to it fails
+        sigkill(victim)
 
     t0 = time.monotonic()
     try:

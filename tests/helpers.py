@@ -25,6 +25,17 @@ def running(pid: int) -> bool:
         return False
 
 
+def sigkill(pid: int) -> None:
+    """SIGKILL process ``pid``, wait until it has exited, and then long enough for ZeroMQ to see the peer
+    gone (the next send to it fails)."""
+    import time
+
+    os.kill(pid, signal.SIGKILL)
+    while running(pid):
+        time.sleep(0.01)
+    time.sleep(0.3)
+
+
 def run_script(code: str, timeout: float = 90.0, cwd: str | None = None, env: dict | None = None,
                ) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh coordinator process; its stacks are dumped if it hangs."""

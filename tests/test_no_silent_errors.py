@@ -6,10 +6,8 @@ import copy
 import functools
 import os
 import random
-import signal
 import threading
 import types
-import time
 
 from random import uniform as _py_uniform
 from typing import Any
@@ -23,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dpool
 from tests import models
-from tests.helpers import running
+from tests.helpers import sigkill
 
 
 def test_concurrent_calls_from_threads_match_the_reference(wrap):
@@ -1090,13 +1088,6 @@ class _Patchable(nn.Module):
         return self.gelu(self.out(self.act(self.lin(x))))
 
 
-def _kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-    while running(pid):
-        time.sleep(0.01)
-    time.sleep(0.3)  # long enough for ZeroMQ to see the peer gone
-
-
 @pytest.mark.parametrize("patch", ["class_method", "library_function", "wrapped_method", "unpicklable"])
 def test_run_time_patches_of_the_models_code_reach_the_workers(wrap, monkeypatch, patch):
     """A script that patches a library before training (`LlamaAttention.forward = my_forward`,
@@ -1133,7 +1124,7 @@ def test_run_time_patches_of_the_models_code_reach_the_workers(wrap, monkeypatch
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     for i in range(3):
         if i == 2:  # a restarted worker imports the library afresh
-            _kill(model.pids[1])
+            sigkill(model.pids[1])
             with pytest.raises(dpool.WorkerDiedError):
                 model(xs[0])
         _train(model, opt, xs[i:i + 1], ys[i:i + 1])
