@@ -130,6 +130,15 @@ def dataparallel(module: torch.nn.Module) -> torch.nn.DataParallel:
     return torch.nn.DataParallel(module).cpu()
 
 
+def _trace_opcodes(frame, tracer) -> None:
+    """Ask for ``frame``'s opcode events from inside ``tracer``'s call event. Python 3.12 (3.12.1 here)
+    ignores the flag set there (3.11 and 3.13 do not) and turns the events on when a tracer is set: set
+    the same one again."""
+    frame.f_trace_opcodes = True
+    if sys.version_info >= (3, 12):
+        sys.settrace(tracer)
+
+
 class CtrlC:
     """A real Ctrl-C (SIGINT to this process) just before a chosen instruction of a chosen function.
 
@@ -142,7 +151,8 @@ class CtrlC:
     :class:`KeyboardInterrupt` is raised there.
     """
 
-    _CHECKED = {"CALL", "CALL_FUNCTION_EX", "JUMP_BACKWARD"}  # CPython 3.11 checks for signals after these
+    # CPython 3.11-3.13 check for signals after these (3.13 adds CALL_KW for calls with keywords)
+    _CHECKED = {"CALL", "CALL_KW", "CALL_FUNCTION_EX", "JUMP_BACKWARD"}
 
     def __init__(self, code, offset: int, skip: int = 0) -> None:
         self.code, self.offset, self.skip, self.hit = code, offset, skip, False
@@ -160,7 +170,7 @@ class CtrlC:
             names = ops.get(frame.f_code)
             if names is None:
                 return None
-            frame.f_trace_opcodes = True
+            _trace_opcodes(frame, tracer)
             last = [None]  # the previous instruction this frame ran (None: the function just started)
 
             def local(frame, event, arg):
@@ -191,7 +201,7 @@ class CtrlC:
     def _tracer(self, frame, event, arg):
         if frame.f_code is not self.code or self.hit:
             return None
-        frame.f_trace_opcodes = True
+        _trace_opcodes(frame, self._tracer)
         return self._local
 
     def __enter__(self) -> "CtrlC":
