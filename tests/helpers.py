@@ -130,12 +130,14 @@ def dataparallel(module: torch.nn.Module) -> torch.nn.DataParallel:
     return torch.nn.DataParallel(module).cpu()
 
 
-def _trace_opcodes(frame, tracer) -> None:
-    """Ask for ``frame``'s opcode events from inside ``tracer``'s call event. Python 3.12 (3.12.1 here)
-    ignores the flag set there (3.11 and 3.13 do not) and turns the events on when a tracer is set: set
-    the same one again."""
+def _trace_opcodes(frame, tracer, local) -> None:
+    """Ask for ``frame``'s opcode events from inside ``tracer``'s call event, ``local`` being the frame's
+    tracer. Python 3.12 and 3.13 (3.12.1 and 3.13.0 here) ignore the flag set there, unlike 3.11, and turn
+    the events on when a tracer is set for a frame that already has its own: give it ``local``, then set
+    the same ``tracer`` again."""
     frame.f_trace_opcodes = True
     if sys.version_info >= (3, 12):
+        frame.f_trace = local
         sys.settrace(tracer)
 
 
@@ -170,7 +172,6 @@ class CtrlC:
             names = ops.get(frame.f_code)
             if names is None:
                 return None
-            _trace_opcodes(frame, tracer)
             last = [None]  # the previous instruction this frame ran (None: the function just started)
 
             def local(frame, event, arg):
@@ -180,6 +181,7 @@ class CtrlC:
                     last[0] = frame.f_lasti
                 return local
 
+            _trace_opcodes(frame, tracer, local)
             return local
 
         sys.settrace(tracer)
@@ -201,7 +203,7 @@ class CtrlC:
     def _tracer(self, frame, event, arg):
         if frame.f_code is not self.code or self.hit:
             return None
-        _trace_opcodes(frame, self._tracer)
+        _trace_opcodes(frame, self._tracer, self._local)
         return self._local
 
     def __enter__(self) -> "CtrlC":
