@@ -153,8 +153,10 @@ class CtrlC:
     :class:`KeyboardInterrupt` is raised there.
     """
 
-    # CPython 3.11-3.13 check for signals after these (3.13 adds CALL_KW for calls with keywords)
-    _CHECKED = {"CALL", "CALL_KW", "CALL_FUNCTION_EX", "JUMP_BACKWARD"}
+    # CPython checks for signals after these: 3.11-3.13 (3.13 adds CALL_KW for calls with keywords), and
+    # 3.10's names for calls and the jump back of a loop
+    _CHECKED = {"CALL", "CALL_KW", "CALL_FUNCTION_EX", "JUMP_BACKWARD",
+                "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_METHOD", "JUMP_ABSOLUTE"}
 
     def __init__(self, code, offset: int, skip: int = 0) -> None:
         self.code, self.offset, self.skip, self.hit = code, offset, skip, False
