@@ -253,29 +253,26 @@ def restart_phase(phase: str) -> dict:
     victim = pids[1]
     out: dict = {"pids": pids, "phase": phase}
 
-    def kill() -> None:
-        sigkill(victim)
-
     t0 = time.monotonic()
     try:
         if phase == "between_steps":
-            kill()
+            sigkill(victim)
             good_step(model, opt)
         elif phase == "between_forward_and_backward":
             y = model(batch())
-            kill()
+            sigkill(victim)
             y.pow(2).mean().backward()
         elif phase == "during_optimizer_step":
             opt.zero_grad()
             model(batch()).pow(2).mean().backward()
-            handle = opt.register_step_pre_hook(lambda *_: kill())
+            handle = opt.register_step_pre_hook(lambda *_: sigkill(victim))
             opt.step()  # the kill lands while the master steps; the next call finds the worker dead
             handle.remove()
             good_step(model, opt)
         elif phase == "mid_step_other_busy":
             # worker 0 sleeps 6 s in its forward; worker 1 dies meanwhile: worker 0's reply arrives
             # after the restart, and must not be taken for the answer to a later request
-            _later(0.5, kill)
+            _later(0.5, lambda: sigkill(victim))
             model(batch(Fault.SLOW_FORWARD, shard=0))
         else:
             raise KeyError(phase)

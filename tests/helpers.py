@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import torch
@@ -28,8 +29,6 @@ def running(pid: int) -> bool:
 def sigkill(pid: int) -> None:
     """SIGKILL process ``pid``, wait until it has exited, and then long enough for ZeroMQ to see the peer
     gone (the next send to it fails)."""
-    import time
-
     os.kill(pid, signal.SIGKILL)
     while running(pid):
         time.sleep(0.01)
@@ -64,8 +63,6 @@ def run_scripts(codes: list[str], timeout: float = 120.0, env: dict | None = Non
 
     ``at_once``: at most this many run at a time (the next starts when one ends); ``timeout`` is each one's.
     """
-    import time
-
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join([ROOT, full_env.get("PYTHONPATH", "")])
     full_env["PYTHONFAULTHANDLER"] = "1"
