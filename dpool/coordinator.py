@@ -50,7 +50,7 @@ from .crossnode import FORWARD, CrossNode, CrossNodeReducer
 from .errors import (DpoolValueError, ModelChangedError, PoolBrokenError, UnpicklableModelError, UnsupportedError,
                      WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error)
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
-from .launch import reply_together, wait_spin
+from .launch import forward_with_loss, reply_together, wait_spin
 from .layout import Layout
 from .loss import ShardedOutput, build_output, combine, predict_seed
 from .peers import arm_exit_guard
@@ -82,6 +82,8 @@ def _one_call_at_a_time(method: F) -> F:
     @functools.wraps(method)
     def locked(self: "Runtime", *args: Any, **kwargs: Any) -> Any:
         with self.call_lock:
+            if self._pending is not None and method.__name__ != "criterion":
+                self._run_deferred()  # every other call finds the forwards before it run (see _Deferred)
             return method(self, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
@@ -89,6 +91,55 @@ def _one_call_at_a_time(method: F) -> F:
 
 def _tensors_of(per_shard: list[list[Any]]) -> list[torch.Tensor]:
     return [g for ms in per_shard for g in ms if isinstance(g, torch.Tensor)]
+
+
+class _Forward:
+    """What the rest of a forward needs once its round's replies are in (see :meth:`Runtime._finish_forward`)."""
+
+    __slots__ = ("call", "k", "splits", "shards", "tensors", "rg", "grad", "spans", "gin_sizes", "nodes", "versions",
+                 "handle")
+
+    def __init__(self, call: int, k: int, splits: list, shards: list, tensors: list[torch.Tensor], rg: list[bool],
+                 grad: bool, spans: list, gin_sizes: list[int], nodes: Any) -> None:
+        self.call, self.k, self.splits, self.shards, self.tensors, self.rg = call, k, splits, shards, tensors, rg
+        self.grad, self.spans, self.gin_sizes, self.nodes = grad, spans, gin_sizes, nodes
+        self.versions: list[int] | None = None  # the parameters' versions when the forward was called (deferred)
+        self.handle: ShardedOutput | None = None  # a deferred forward's output, filled in when it runs
+
+    def rows(self) -> list[int]:
+        return next((sizes for sizes in self.splits if sizes is not None), [1] * self.k)
+
+    def diff_inputs(self) -> list[torch.Tensor]:
+        return [t for t, r in zip(self.tensors, self.rg) if r]
+
+
+class _Unrun:
+    """The :class:`CallState` stand-in of a deferred forward's :class:`ShardedOutput` until the forward runs:
+    what is known before it (its call, shards and rows)."""
+
+    def __init__(self, f: _Forward) -> None:
+        self.call, self.k, self.rows, self.gin_sizes = f.call, f.k, f.rows(), f.gin_sizes
+
+
+class _Deferred:
+    """A forward with ``gather=False`` whose round waits for its loss (lifecycle of the deferral).
+
+    With ``gather=False`` a training forward's outputs stay on the workers, and the next thing a step does
+    with them is ``dpool.criterion(...)(out, target)``. So ``model(x)`` places the shards and builds the
+    forward's messages (the inputs, flags, seed and parameter versions of that moment) but sends nothing, and
+    the criterion sends each worker its forward and its loss as one request: one round per step less, the same
+    numbers. Any other call on the runtime (another forward, ``out.gather()``, a backward, ``worker_states``,
+    a criterion of another output) first runs the deferred forward in a round of its own, so the workers see
+    every request in the order the program made it. ``close()`` drops a forward nothing used. A parameter
+    changed in place before the deferred forward ran is an error (:class:`ModelChangedError`) instead of a
+    forward that would read the new values. Only for CPU workers, models without buffers, outside cross-node
+    mode, with grad enabled; ``DPOOL_FORWARD_WITH_LOSS=off`` turns it off.
+    """
+
+    __slots__ = ("msgs", "f")
+
+    def __init__(self, msgs: dict[int, P.Message], f: _Forward) -> None:
+        self.msgs, self.f = msgs, f
 
 
 class Runtime:
@@ -139,6 +190,11 @@ class Runtime:
         self.buffer_policy = buffers
         self._rank0_buffers: torch.Tensor | None = None  # cross-node, buffers="first": staging for the broadcast
         self.gather_outputs = gather
+        self._pending: _Deferred | None = None  # a forward waiting for its loss (see _Deferred)
+        self._defer = forward_with_loss()
+        # see _finish_forward; before the first forward, the output's dtype is taken to be the parameters'
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        self._last_out: tuple[torch.dtype, list, list[int]] = (dtype, [], [])
         # One call at a time: calls from several threads (an evaluation thread, a server's handlers)
         # wait for the one in flight, as nn.DataParallel's do; they share segments and the workers.
         self.call_lock = threading.RLock()
@@ -751,77 +807,103 @@ class Runtime:
             self._unsent()
             self.graphs.retell()
             raise
+        f = _Forward(call, k, splits, shards, tensors, rg, grad, spans, gin_sizes, nodes)
+        if (self._defer and not self.gather_outputs and grad and nodes is None and not self.cuda
+                and self.layout.buffer_range is None):
+            # Deferred until its loss (see _Deferred): the targets go after these inputs meanwhile.
+            for s in range(k):
+                self.io.keep(s, call, spans[s])
+            f.versions = [p._version for p in self.params]
+            f.handle = ShardedOutput(self, _Unrun(f), None, f.diff_inputs())
+            self._pending = _Deferred(msgs, f)
+            return f.handle
         try:
             replies = self._request(msgs, "running forward")
+        except BaseException:
+            if grad:
+                self.graphs.release(call)
+            self.graphs.retell()  # a round cut short may not have told every worker
+            raise
+        return self._finish_forward(f, replies)
+
+    def _finish_forward(self, f: "_Forward", replies: dict[int, Any]) -> Any:
+        """The rest of a forward once its round's replies are in: fetch outputs that did not fit, build its
+        :class:`CallState`, gather (or keep the outputs on the workers), and commit its buffer updates."""
+        pool = self.pool
+        try:
             pool.unlink_segments()
             self._raise_failures(replies, "forward")
-            self.stats.split_round("forward", pool.sent_at, pool.arrived, replies, k)
+            self.stats.split_round("forward", pool.sent_at, pool.arrived, replies, f.k)
             fetch = {s: r.need for s, r in replies.items() if r.need}
             if fetch:
-                fetched = self._fetch_round(lambda s, ref: P.Fetch(call, ref), "out", fetch, "returning outputs",
+                fetched = self._fetch_round(lambda s, ref: P.Fetch(f.call, ref), "out", fetch, "returning outputs",
                                             "forward")
                 for s, r in fetched.items():
                     replies[s].tensors = r.tensors
-            specs = [replies[s].tree for s in range(k)]
-            out_metas = [replies[s].tensors for s in range(k)]
+            specs = [replies[s].tree for s in range(f.k)]
+            out_metas = [replies[s].tensors for s in range(f.k)]
             groups = _gather.tensor_groups(specs)
-            outs = [self.io.segment(s, "out") for s in range(k)]
-            state = CallState(self, call, k, groups, out_metas, outs, splits, gin_sizes, rg,
-                              [[t.shape for t in shards[s]] for s in range(k)])
+            outs = [self.io.segment(s, "out") for s in range(f.k)]
+            state = CallState(self, f.call, f.k, groups, out_metas, outs, f.splits, f.gin_sizes, f.rg,
+                              [[t.shape for t in f.shards[s]] for s in range(f.k)])
             state.fseq = self.nodes.fseq if self.nodes is not None else 0  # the training forward its backward names
-            diff_inputs = [t for t, r in zip(tensors, rg) if r]
-            diff_idx = [i for i, p in enumerate(self.params) if p.requires_grad] if grad else []
+            diff_inputs = [t for t, r in zip(f.tensors, f.rg) if r]
+            diff_idx = [i for i, p in enumerate(self.params) if p.requires_grad] if f.grad else []
             diff_params = [self.params[i] for i in diff_idx]
             state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
             state.diff_idx = diff_idx
             state.params = self.params
-            state.versions = [p._version for p in state.params] if grad else []
+            state.versions = f.versions if f.versions is not None else [p._version for p in state.params] if f.grad else []
             state.input_devices = [t.device for t in diff_inputs]
             if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
-                handle = ShardedOutput(self, state, specs, diff_inputs)
-                self.graphs.track(call, handle)
-                for s in range(k):
-                    self.io.keep(s, call, spans[s])
+                handle = f.handle if f.handle is not None else ShardedOutput(self, state, specs, diff_inputs)
+                handle._state, handle._specs = state, specs  # (a deferred forward's handle: filled in now)
+                self.graphs.track(f.call, handle)
+                for s in range(f.k):
+                    self.io.keep(s, f.call, f.spans[s])
                 gathered = None
-            elif grad and any(state.differentiable):
+            elif f.grad and any(state.differentiable):
                 gathered = Bridge.apply(state, diff_idx, *diff_inputs, *diff_params)
                 if not isinstance(gathered, tuple):
                     gathered = (gathered,)
-                self.graphs.track(call, state.ctx)
-                for s in range(k):
-                    self.io.keep(s, call, spans[s])
+                self.graphs.track(f.call, state.ctx)
+                for s in range(f.k):
+                    self.io.keep(s, f.call, f.spans[s])
                 state.ctx = None
             else:
-                if grad:
-                    self.graphs.release(call)
+                if f.grad:
+                    self.graphs.release(f.call)
                 gathered = state.gather()
         except BaseException:
             # Until the call is tracked (or released above), nothing would ever free the graphs the
             # workers keep for it: a GatherError or a Ctrl-C here must not leave them there for good.
-            if grad and not self.graphs.kept(call):
-                self.graphs.release(call)
+            if f.grad and not self.graphs.kept(f.call):
+                self.graphs.release(f.call)
             self.graphs.retell()  # a round cut short may not have told every worker
             raise
         state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
-        rows = next((sizes for sizes in splits if sizes is not None), [1] * k)
-        self.stats.forward(rows, [replies[s].busy for s in range(k)], sum(nbytes(t) for sh in shards for t in sh),
+        rows = next((sizes for sizes in f.splits if sizes is not None), [1] * f.k)
+        self.stats.forward(rows, [replies[s].busy for s in range(f.k)], sum(nbytes(t) for sh in f.shards for t in sh),
                            sum(meta_nbytes(m) for ms in out_metas for m in ms))
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d: forward of %d shards (rows %s), workers busy %s ms", pool.step, k, rows,
-                      [round(replies[s].busy * 1e3, 2) for s in range(k)])
-        self.balancer.observe(0, [replies[s].busy for s in range(k)], rows)
-        if any(replies[s].attributes for s in range(k)):
-            self._warn_attributes({n for s in range(k) for n in replies[s].attributes})
+            log.debug("step %d: forward of %d shards (rows %s), workers busy %s ms", pool.step, f.k, rows,
+                      [round(replies[s].busy * 1e3, 2) for s in range(f.k)])
+        self.balancer.observe(0, [replies[s].busy for s in range(f.k)], rows)
+        if any(replies[s].attributes for s in range(f.k)):
+            self._warn_attributes({n for s in range(f.k) for n in replies[s].attributes})
         # Commit: every shard succeeded, so buffer updates may reach the master (see buffers.py).
-        if any(replies[s].rebound for s in range(k)):
-            self._commit_rebound([s for s in range(k) if replies[s].rebound])
+        if any(replies[s].rebound for s in range(f.k)):
+            self._commit_rebound([s for s in range(f.k) if replies[s].rebound])
         if self.layout.buffer_range is not None:
-            self._buffers.commit(self._master_buffers, self._first_buffers, self._buffer_slots[:k], rows,
-                                 [replies[s].stats for s in range(k)],
+            self._buffers.commit(self._master_buffers, self._first_buffers, self._buffer_slots[:f.k], rows,
+                                 [replies[s].stats for s in range(f.k)],
                                  [bn.training for bn, *_ in self._buffers.batchnorms],
-                                 across=None if nodes is None else functools.partial(
-                                     nodes.all_reduce, doing="combining buffer statistics"))
+                                 across=None if f.nodes is None else functools.partial(
+                                     f.nodes.all_reduce, doing="combining buffer statistics"))
         state.rows = rows
+        # what a deferred forward's loss predicts from (see criterion): this forward's output dtype and shapes
+        self._last_out = (self._loss_dtype(out_metas),
+                          [list(out_metas[s][0].shape) if specs[s] == ["T", 0] else None for s in range(f.k)], rows)
         if gathered is None:
             return handle
         return _gather.build(specs, iter(gathered))
@@ -836,28 +918,41 @@ class Runtime:
         gradients in the slots and needs no round of its own. See :class:`dpool.loss.Speculation`.
         """
         pool, state = self.pool, handle._state
-        self._check_usable()
+        pending = self._pending
+        if pending is not None and pending.f.handle is not handle:
+            self._run_deferred()  # (another forward's: it runs first, in its own round)
+            pending = None
+        if pending is not None:
+            self._check_deferred(pending.f)  # the forward and this loss go to the workers together
+        else:
+            self._check_usable()
         fn = crit.payload()  # (the loss may have changed since the last step)
-        if not self.graphs.kept(state.call):
+        if pending is None and not self.graphs.kept(state.call):
             raise RuntimeError("the outputs of this forward are no longer on the workers (released or restarted)")
         tensors: list[torch.Tensor] = []
         spec = _tree.flatten(tuple(targets), tensors)
         k, rows = state.k, state.rows
-        msgs: dict[int, P.Message] = {}
+        msgs: dict[int, P.Criterion] = {}
         for t in tensors:
             if t.dim() > self.dim and t.size(self.dim) != sum(rows):
                 raise DpoolValueError(f"target has {t.size(self.dim)} rows along dim {self.dim}, the output {sum(rows)}")
         shards = _scatter.shard_views(tensors, [rows if t.dim() > self.dim else None for t in tensors], k, self.dim)
-        dtype = next((DTYPES[m.dtype] for m in state.metas[0] if DTYPES[m.dtype].is_floating_point), torch.float32)
+        if pending is None:
+            dtype = self._loss_dtype(state.metas)
+            shapes: list[list[int] | None] = [list(state.metas[s][0].shape) if handle._specs[s] == ["T", 0] else None
+                                              for s in range(k)]
+            differentiable = any(state.differentiable)
+        else:  # the forward has not run: the previous forward's, checked against this one's once it ran
+            dtype, last_shapes, last_rows = self._last_out
+            shapes = last_shapes if last_rows == rows else [None] * k
+            differentiable = True
         param_idx = [i for i, p in enumerate(self.params) if p.requires_grad]  # the loss's autograd inputs
         guess = None
         if (crit.backward_with_loss and torch.is_grad_enabled() and (handle._diff_inputs or param_idx)
-                and any(state.differentiable)):
+                and differentiable):
             guess = predict_seed(crit, tuple(targets),
                                  lambda: [_tree.unflatten(spec, sh.__getitem__) for sh in shards],
-                                 lambda: [list(state.metas[s][0].shape) if handle._specs[s] == ["T", 0] else None
-                                          for s in range(k)],
-                                 dtype, self.output_device)
+                                 lambda: shapes, dtype, self.output_device)
         last = crit._last
         if last is not None and not last.settled:  # the previous loss of this criterion was never backpropagated
             crit._speculate = False
@@ -881,10 +976,18 @@ class Runtime:
                                       flags, together)
         except BaseException:
             self._unsent()
+            if pending is not None:  # (its segments were rolled back with these: it can no longer run)
+                self._drop_deferred(pending.f)
             raise
         for s, span in enumerate(spans):  # the loss graph may save the targets: kept until the call is released
             self.io.keep(s, (state.call, "targets", id(span[0]), span[1]), span)
-        replies = self._request(msgs, "computing the loss")
+        if pending is not None:
+            replies, state = self._forward_and_loss(pending, msgs), handle._state
+            real = self._loss_dtype(state.metas)
+            if real != dtype:  # predicted from the previous forward: a guess made with it cannot be used
+                dtype, guess = real, None
+        else:
+            replies = self._request(msgs, "computing the loss")
         pool.unlink_segments()
         self._raise_failures(replies, "criterion")
         done = [replies[s] for s in range(k)]
@@ -896,6 +999,81 @@ class Runtime:
             guess.flags = flags
             crit._last = guess
         return combine(self, handle, done, dtype, crit.reduction, guess, crit, param_idx)
+
+    @staticmethod
+    def _loss_dtype(metas: list[list[Any]]) -> torch.dtype:
+        """The dtype a criterion's loss takes: the first floating output's of shard 0."""
+        return next((DTYPES[m.dtype] for m in metas[0] if DTYPES[m.dtype].is_floating_point), torch.float32)
+
+    def _forward_and_loss(self, pending: _Deferred, msgs: dict[int, P.Criterion]) -> dict[int, Any]:
+        """Send the deferred forward with its loss's ``msgs`` as one request; commit the forward (its failures
+        raised as a forward's) and return the loss's replies."""
+        self._pending = None
+        f = pending.f
+        both = {s: P.ForwardCriterion(P.values_of(pending.msgs[s]), P.values_of(m), m.together)
+                for s, m in msgs.items()}
+        try:
+            replies = self._request(both, "running forward and computing the loss")
+        except BaseException:
+            self.graphs.release(f.call)
+            self.graphs.retell()  # a round cut short may not have told every worker
+            raise
+        forward: dict[int, Any] = {}
+        loss: dict[int, Any] = {}
+        for s, r in replies.items():
+            if isinstance(r, P.ForwardCriterionDone):
+                forward[s] = P.inner("forward_done", r.forward)
+                loss[s] = P.inner(r.criterion_op, r.criterion)
+            else:  # the forward failed: the loss did not run, and the segments only it named (its targets')
+                forward[s] = r  # were never mapped there; their names go with this round: new ones next time
+                self.io.reset(s)
+        self._finish_forward(f, forward)
+        self.stats.forward_rounds_saved += 1
+        return loss
+
+    def _run_deferred(self) -> None:
+        """Run the deferred forward in a round of its own (see :class:`_Deferred`)."""
+        pending = self._pending
+        assert pending is not None
+        self._check_deferred(pending.f)
+        self._pending = None
+        try:
+            replies = self._request(pending.msgs, "running forward")
+        except BaseException:
+            self.graphs.release(pending.f.call)
+            self.graphs.retell()  # a round cut short may not have told every worker
+            raise
+        self._finish_forward(pending.f, replies)
+
+    def _check_deferred(self, f: _Forward) -> None:
+        """Raise, and drop the deferred forward ``f``, if it can no longer run as it was called: the pool
+        cannot serve it (a restart lost its segments), or a parameter changed in place since."""
+        try:
+            self._check_usable()
+            if self.graphs.lost(f.call):
+                raise RuntimeError("the outputs of this forward are no longer on the workers (restarted)")
+            assert f.versions is not None
+            changed = [n for n, p, v in zip(self.master.param_names, self.params, f.versions) if p._version != v]
+        except BaseException:
+            self._drop_deferred(f)
+            raise
+        if changed:
+            self._drop_deferred(f)
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            raise ModelChangedError(
+                f"parameter{'s' * (len(changed) > 1)} {', '.join(changed[:3])}{more} of the dpool model changed in "
+                "place after model(x) and before the loss of its outputs. With gather=False the forward runs on "
+                "the workers together with its loss (dpool.criterion), so it would read the new values. Compute "
+                "the loss before changing the parameters, or call the model again after the change "
+                "(DPOOL_FORWARD_WITH_LOSS=off runs every forward at once).")
+
+    def _drop_deferred(self, f: _Forward) -> None:
+        """Forget the deferred forward ``f`` without running it: its output can no longer be used."""
+        if self._pending is not None and self._pending.f is f:
+            self._pending = None
+        self.io.release(f.call)
+        self.graphs.release(f.call)
+        self.graphs.retell()  # the calls its messages would have told the workers to release
 
     @_one_call_at_a_time
     def backward_speculated(self, state: CallState, guess: Any, seed: torch.Tensor, crit: Any,
@@ -1195,6 +1373,7 @@ class Runtime:
         by the next one."""
         if self._closed:
             return
+        self._pending = None  # a deferred forward nothing used (see _Deferred): it never runs
         self._held.release(self.params)
         self.master.close()
         self.pool.close()

@@ -270,6 +270,8 @@ class DataParallel(nn.DataParallel):
             ``bytes_per_step`` (``inputs``, ``outputs``, ``output_grads`` and ``param_grads`` moved
             through shared memory in the latest step), ``backward_rounds_saved`` (backwards of a
             :class:`dpool.criterion`'s loss that the workers had already run in the loss round),
+            ``forward_rounds_saved`` (``gather=False`` forwards that went to the workers with their loss, in
+            one round: see "Loss on the workers" in docs/features.md),
             ``rounds_spun`` (rounds so far whose replies the coordinator caught while it spun instead of
             sleeping: short rounds, see ``DPOOL_WAIT_SPIN_US`` in the README).
         """

@@ -30,7 +30,7 @@ from .errors import DpoolError, DpoolValueError, WorkerDiedError, WorkerStartErr
 if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
-__all__ = ["worker_cpus", "reply_together", "REPLY_TOGETHER_POLICIES", "wait_spin", "WAIT_SPIN_US_DEFAULT",
+__all__ = ["worker_cpus", "reply_together", "REPLY_TOGETHER_POLICIES", "forward_with_loss", "FORWARD_WITH_LOSS_POLICIES", "wait_spin", "WAIT_SPIN_US_DEFAULT",
            "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
            "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES", "WORKER_AFFINITY_POLICIES", "Worker", "Launcher", "Spawn",
            "start_worker", "kill_strays", "WORKER_OF", "join_or_kill", "signal_name", "show_output"]
@@ -139,6 +139,21 @@ def reply_together(devices: Sequence[str], threads: int) -> bool:
     if policy == "off" or len(devices) < 2 or not _cpu_pool(devices):
         return False
     return policy == "on" or len(devices) * threads == len(allowed_cores())
+
+
+FORWARD_WITH_LOSS_POLICIES = ("auto", "off")
+
+
+def forward_with_loss() -> bool:
+    """Whether a ``gather=False`` training forward waits for its loss and goes to the workers with it, per
+    ``DPOOL_FORWARD_WITH_LOSS``: ``auto`` (the default) defers it where it can (see
+    ``dpool.coordinator._Deferred``), ``off`` runs every forward at once, in a round of its own (its errors
+    then come from ``model(x)`` itself instead of from the criterion)."""
+    policy = os.environ.get("DPOOL_FORWARD_WITH_LOSS", "") or "auto"
+    if policy not in FORWARD_WITH_LOSS_POLICIES:
+        raise DpoolValueError(f"DPOOL_FORWARD_WITH_LOSS={policy!r} is not a policy; use one of "
+                              f"{', '.join(FORWARD_WITH_LOSS_POLICIES)} (unset it for the default, auto)")
+    return policy == "auto"
 
 
 WAIT_SPIN_US_DEFAULT = 300

@@ -39,7 +39,7 @@ from .tensors import to_bytes
 
 if TYPE_CHECKING:
     from .bridge import CallState
-    from .coordinator import Runtime
+    from .coordinator import Runtime, _Unrun
 
 __all__ = ["ShardedOutput", "criterion"]
 
@@ -50,10 +50,11 @@ class ShardedOutput:
     Pass it to a :func:`criterion`, or call :meth:`gather` for the usual gathered output.
     """
 
-    def __init__(self, runtime: "Runtime", state: "CallState", specs: list, diff_inputs: list) -> None:
+    def __init__(self, runtime: "Runtime", state: "CallState | _Unrun", specs: list | None, diff_inputs: list) -> None:
         self._runtime = runtime
-        self._state = state
-        self._specs = specs
+        # a deferred forward's (see dpool.coordinator._Deferred): what is known before it ran, filled in then
+        self._state: Any = state
+        self._specs: Any = specs
         self._diff_inputs = diff_inputs
 
     @property

@@ -45,6 +45,7 @@ import hashlib
 import hmac
 import operator
 import sys
+import traceback
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, NamedTuple, TypeVar
 
@@ -99,9 +100,14 @@ __all__ = [
     "Output",
     "Shutdown",
     "Failed",
+    "ForwardCriterion",
+    "ForwardCriterionDone",
+    "inner",
+    "values_of",
 ]
 
-PROTOCOL_VERSION = 13  # 13: end_serve (the daemon ends a serving worker's session when its client detaches);
+PROTOCOL_VERSION = 14  # 14: forward_criterion (a deferred forward and its loss in one request)
+# 13: end_serve (the daemon ends a serving worker's session when its client detaches);
 # detach names the lease by its attach nonce
 # 12: the envelope carries ``re``, the request a message was sent for
 # 11: forward_done names the attributes the forward set to tensors requiring grad;
@@ -514,6 +520,45 @@ class CriterionDone(Message):
     buffers: list = field(default_factory=list)
 
 
+@_message("forward_criterion", forward=_LIST, criterion=_LIST, together=_LIST)
+class ForwardCriterion(Message):
+    """A deferred :class:`Forward` and the :class:`Criterion` of its outputs in one request (see
+    ``dpool.coordinator._Deferred``): the worker runs the forward, then the loss, and answers both at once.
+
+    ``forward`` and ``criterion`` hold the two messages' fields (see :func:`inner`); ``together``: as
+    :class:`Forward`'s. A failed forward is answered with :class:`Failed`, and the loss does not run.
+    """
+
+    forward: list
+    criterion: list
+    together: list
+
+
+@_message("forward_criterion_done", forward=_LIST, criterion_op=_STR, criterion=_LIST)
+class ForwardCriterionDone(Message):
+    """``forward``: the :class:`ForwardDone`'s fields (``need > 0``: the outputs did not fit their segment, and
+    the coordinator fetches them next, as after any forward). ``criterion_op`` names what ``criterion`` holds
+    the fields of: ``"criterion_done"`` (:class:`CriterionDone`) or ``"failed"`` (the loss raised:
+    :class:`Failed`)."""
+
+    forward: list
+    criterion_op: str
+    criterion: list
+
+
+def inner(op: str, body: list) -> Message:
+    """The message ``op`` whose fields another message carries in one of its own (:class:`ForwardCriterion`),
+    checked as :meth:`Codec.decode` checks a whole message (the outer one was authenticated)."""
+    if op not in ("forward", "forward_done", "criterion", "criterion_done", "failed"):
+        raise ProtocolError(f"{op!r} cannot travel inside another message")
+    return Codec._validate([PROTOCOL_VERSION, op, 0, 0, body])[2]
+
+
+def values_of(msg: Message) -> list:
+    """``msg``'s field values in order: what :func:`inner` takes back."""
+    return list(msg._values(msg))  # type: ignore[call-arg]
+
+
 @_message("inspect", release=_LIST)
 class Inspect(Message):
     """Coordinator → worker: what do you hold? (``DataParallel.stats(inspect=True)``). ``release``: calls
@@ -725,12 +770,18 @@ class Failed(Message):
     message: str
     traceback: str
 
+    @classmethod
+    def of(cls, stage: str, exc: BaseException) -> "Failed":
+        """``exc``, raised while ``stage``, as strings (its traceback included)."""
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(stage, type(exc).__module__, type(exc).__qualname__, str(exc), tb)
+
 
 MESSAGES: dict[str, type[Message]] = {
     cls.op: cls  # type: ignore[misc]
     for cls in (
         Boot, Hello, Init, InitDone, Forward, ForwardDone, Fetch, FetchDone, Backward, BackwardDone, FetchSparse,
-        FetchSparseDone, Criterion, CriterionDone, Inspect, InspectDone, Call, CallDone, AllReduce, AllReduceDone,
+        FetchSparseDone, Criterion, CriterionDone, ForwardCriterion, ForwardCriterionDone, Inspect, InspectDone, Call, CallDone, AllReduce, AllReduceDone,
         BucketReady,
         Shutdown, Failed, Output, Serve, ServeDone, EndServe, Attach, AttachDone, Detach, DetachDone, Status, StatusDone, Stop,
         StopDone,

@@ -17,6 +17,7 @@ class Stats:
         self.steps = 0
         self.restarts = 0
         self.backward_rounds_saved = 0  # backwards a criterion's workers had already run (see dpool.loss)
+        self.forward_rounds_saved = 0  # forwards that went to the workers with their loss (coordinator._Deferred)
         self.rows: list[int] = []
         self.forward_ms = [0.0] * n
         self.backward_ms = [0.0] * n
@@ -82,4 +83,5 @@ class Stats:
             workers.append(w)
         return {"steps": self.steps, "restarts": self.restarts, "shard_rows": list(self.rows), "workers": workers,
                 "bytes_per_step": dict(self.bytes), "backward_rounds_saved": self.backward_rounds_saved,
+                "forward_rounds_saved": self.forward_rounds_saved,
                 "round_ms": {kind: round(ms, 3) for kind, ms in self.round_ms.items()}, "rounds_spun": rounds_spun}

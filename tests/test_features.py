@@ -788,6 +788,96 @@ class _BackwardFailsIf(torch.autograd.Function):
         return g, None
 
 
+class FailsInForward(nn.Module):
+    """Its forward raises on a shard whose first column holds a value over 100."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = models.MLP(d_in=4, d_out=3)
+
+    def forward(self, x):
+        if bool((x[:, 0] > 100).any()):
+            raise ValueError("forward exploded")
+        return self.net(x)
+
+
+def test_a_forward_goes_to_the_workers_with_its_loss(wrap, monkeypatch):
+    """With gather=False, model(x) waits for its loss and the workers get the forward and the loss in one
+    request (stats() counts the rounds saved). Against one process, step after step: plain steps, two forwards
+    before their losses, a gathered output, a forward whose loss is never taken. The forward's error comes from
+    the criterion, as the forward's; a parameter changed in place before the loss is refused; the pool trains on
+    after both. DPOOL_FORWARD_WITH_LOSS=off runs every forward at once, with the same numbers."""
+    torch.manual_seed(0)
+    net = FailsInForward()
+    ref, plain = copy.deepcopy(net), copy.deepcopy(net)
+    model = wrap(net, gather=False)
+    monkeypatch.setenv("DPOOL_FORWARD_WITH_LOSS", "off")
+    eager = wrap(plain, gather=False)
+    monkeypatch.setenv("DPOOL_FORWARD_WITH_LOSS", "sometimes")
+    with pytest.raises(ValueError, match="DPOOL_FORWARD_WITH_LOSS='sometimes' is not a policy"):
+        wrap(copy.deepcopy(net))
+    monkeypatch.delenv("DPOOL_FORWARD_WITH_LOSS")
+    ce = nn.CrossEntropyLoss()
+    crit = dpool.criterion(ce)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, plain, ref)]
+
+    def step(kind):
+        n = 200_000 if kind == "big" else 10  # big: outputs larger than their segment, fetched before the loss
+        x, x2 = torch.randn(n, 4), torch.randn(6, 4)
+        y, y2 = torch.randint(0, 3, (n,)), torch.randint(0, 3, (6,))
+        for m, opt in zip((model, eager, ref), opts):
+            loss_of = ce if m is ref else crit
+            opt.zero_grad()
+            if kind == "two_forwards":
+                out, out2 = m(x), m(x2)
+                (loss_of(out2, y2) + loss_of(out, y)).backward()
+            elif kind == "gathered":
+                out = m(x)
+                got = out if m is ref else out.gather()
+                torch.testing.assert_close(got, ref.net(x))
+                ce(got, y).backward()
+            elif kind == "unused":
+                m(x2)  # never used: it runs when the next call comes
+                loss_of(m(x), y).backward()
+            else:
+                loss_of(m(x), y).backward()
+            opt.step()
+        for p, q, r in zip(net.parameters(), plain.parameters(), ref.parameters()):
+            assert torch.equal(p, q), kind
+            torch.testing.assert_close(p, r)
+
+    for kind in ("plain", "plain", "two_forwards", "gathered", "unused", "big", "plain"):
+        before = model.stats()["forward_rounds_saved"]
+        step(kind)
+        saved = model.stats()["forward_rounds_saved"] - before
+        assert saved == (kind != "gathered"), (kind, saved)
+    assert model.stats()["forward_rounds_saved"] == 6
+    assert eager.stats()["forward_rounds_saved"] == 0
+
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    bad, y_bad = torch.randn(400_000, 4), torch.randint(0, 3, (400_000,))  # the targets need a new segment
+    bad[300_000, 0] = 1000.0  # shard 1
+    out = model(bad)  # deferred: nothing ran yet
+    with pytest.raises(ValueError, match="forward exploded") as info:
+        crit(out, y_bad)
+    assert info.value.worker == 1 and "forward" in str(info.value)
+    with pytest.raises(RuntimeError, match="no longer on the workers"):
+        crit(out, y_bad)
+    out = model(x)
+    with torch.no_grad():
+        net.net.net[0].weight.add_(1.0)  # an optimizer step before the loss
+    with pytest.raises(dpool.ModelChangedError, match=r"net\.net\.0\.weight .*changed in place after model\(x\)"):
+        crit(out, y)
+    small = x.clone()
+    small[6, 0] = 1000.0  # shard 1
+    with pytest.raises(ValueError, match="forward exploded"):
+        eager(small)  # off: at once
+    for m in (model, eager):
+        crit(m(x), y).backward()
+    assert model.stats()["forward_rounds_saved"] == 7
+    assert all(p.grad is not None for p in model.parameters())
+
+
 class FailsInBackward(nn.Module):
     """Its backward raises on a shard whose first column holds a value over 100."""
 

@@ -203,6 +203,7 @@ class Replica:
             "inspect": self.inspect,
             "call": self.call,
             "criterion": self.criterion,
+            "forward_criterion": self.forward_criterion,
         }
 
     # ---------------------------------------------------------------- plumbing
@@ -751,6 +752,17 @@ class Replica:
         return P.FetchSparseDone(msg.call, metas)
 
     # ---------------------------------------------------------------- loss on the workers
+    def forward_criterion(self, msg: P.ForwardCriterion) -> P.Message:
+        """A deferred forward and its loss (``dpool.coordinator._Deferred``): the forward's failure is the
+        request's; the loss's is reported beside the forward's reply, which the coordinator commits first."""
+        done = self.forward(P.inner("forward", msg.forward))  # (outputs that did not fit are kept all the same)
+        try:
+            loss = self.criterion(P.inner("criterion", msg.criterion))
+        except Exception as exc:
+            stage, self.stage = self.stage, "idle"
+            return P.ForwardCriterionDone(P.values_of(done), "failed", P.values_of(P.Failed.of(stage, exc)))
+        return P.ForwardCriterionDone(P.values_of(done), "criterion_done", P.values_of(loss))
+
     def criterion(self, msg: P.Criterion) -> P.Message:
         self.stage = "computing the loss"
         call = self.calls.get(msg.call)

@@ -35,7 +35,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 
@@ -422,7 +421,7 @@ def _serve(ctx: Any, session: Any, known: set[str], client_pid: int | None,
                 _reply_together(rounds, replica.index, msg.together,
                                 P.TOGETHER_WAIT_S if not isinstance(reply, P.Failed) else 0.0)
             send(reply)
-            if msg.op == "forward":
+            if msg.op in ("forward", "forward_criterion"):
                 served += 1
                 if steps_slot is not None:
                     steps_slot[0] += 1
@@ -538,9 +537,7 @@ def _cuda_context_lost(replica: Any, exc: BaseException, reply: Any, ctx: Any) -
 def _failed(stage: str, exc: BaseException) -> Any:
     from dpool import protocol as P
 
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    tp = type(exc)
-    return P.Failed(stage, tp.__module__, tp.__qualname__, str(exc), tb)
+    return P.Failed.of(stage, exc)
 
 
 if __name__ == "__main__":
