@@ -18,8 +18,8 @@ Setups, on N = --workers:
   ddp      DistributedDataParallel, gloo backend, N ranks, global batch / N each
   dpool    dpool.wrap with N CPU workers
   dpool-loss  the same with the loss on the workers: dpool.wrap(net, gather=False) and
-           dpool.criterion(nn.CrossEntropyLoss()); the workers run the loss's backward in
-           the loss round, so a step is two rounds, as with `dpool`, without gathering outputs
+           dpool.criterion(nn.CrossEntropyLoss()); the forward goes to the workers with the
+           loss, and they run the loss's backward in the same round: one round per step
   ideal    one shard (global batch / N) forward+backward alone on cores / N threads:
            N-way parallelism with zero communication
   ceiling  N independent processes, each training one shard at the same time with

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import cloudpickle
@@ -104,7 +105,9 @@ class _Forward:
         self.call, self.k, self.splits, self.shards, self.tensors, self.rg = call, k, splits, shards, tensors, rg
         self.grad, self.spans, self.gin_sizes, self.nodes = grad, spans, gin_sizes, nodes
         self.versions: list[int] | None = None  # the parameters' versions when the forward was called (deferred)
-        self.handle: ShardedOutput | None = None  # a deferred forward's output, filled in when it runs
+        # a deferred forward's output, filled in when it runs; weakly: the runtime keeps the pending forward, and
+        # the output keeps the runtime (a cycle would keep a model dropped without close() alive until the GC)
+        self.handle: Callable[[], ShardedOutput | None] | None = None
 
     def rows(self) -> list[int]:
         return next((sizes for sizes in self.splits if sizes is not None), [1] * self.k)
@@ -119,6 +122,11 @@ class _Unrun:
 
     def __init__(self, f: _Forward) -> None:
         self.call, self.k, self.rows, self.gin_sizes = f.call, f.k, f.rows(), f.gin_sizes
+        self.refused: str | None = None  # why the forward never ran, if it was dropped for a changed parameter
+
+    def check(self) -> None:
+        if self.refused is not None:
+            raise ModelChangedError(self.refused)
 
 
 class _Deferred:
@@ -772,7 +780,8 @@ class Runtime:
         # nodes' too, so that a node with one worker still joins them
         world = k if self.nodes is None else k + self.nodes.size - 1
         spans: list[tuple[Any, int, int]] = []
-        gin_sizes = []
+        gin_sizes: list[int] = []
+        f = _Forward(call, k, splits, shards, tensors, rg, grad, spans, gin_sizes, nodes)  # (filled in below)
         layouts = []
         grow = 0
         for s in range(k):
@@ -807,80 +816,83 @@ class Runtime:
             self._unsent()
             self.graphs.retell()
             raise
-        f = _Forward(call, k, splits, shards, tensors, rg, grad, spans, gin_sizes, nodes)
-        if (self._defer and not self.gather_outputs and grad and nodes is None and not self.cuda
-                and self.layout.buffer_range is None):
-            # Deferred until its loss (see _Deferred): the targets go after these inputs meanwhile.
-            for s in range(k):
-                self.io.keep(s, call, spans[s])
-            f.versions = [p._version for p in self.params]
-            f.handle = ShardedOutput(self, _Unrun(f), None, f.diff_inputs())
-            self._pending = _Deferred(msgs, f)
-            return f.handle
+        # (no call between the try above and this one: a Ctrl-C lands in one of them, and the calls collected
+        # for release reach the workers or are told again)
         try:
-            replies = self._request(msgs, "running forward")
+            if (self._defer and not self.gather_outputs and grad and nodes is None and not self.cuda
+                    and self.layout.buffer_range is None):
+                # Deferred until its loss (see _Deferred): the targets go after these inputs meanwhile.
+                for s in range(k):
+                    self.io.keep(s, call, spans[s])
+                f.versions = [p._version for p in self.params]
+                handle = ShardedOutput(self, _Unrun(f), None, f.diff_inputs())
+                f.handle = weakref.ref(handle)
+                self._pending = _Deferred(msgs, f)
+                return handle
+            return self._finish_forward(f, self._request(msgs, "running forward"))
         except BaseException:
-            if grad:
-                self.graphs.release(call)
-            self.graphs.retell()  # a round cut short may not have told every worker
+            if self._pending is not None and self._pending.f is f:  # (cut before model(x) returned it)
+                self._drop_deferred(f)
+            self._forward_failed(f)
             raise
-        return self._finish_forward(f, replies)
+
+    def _forward_failed(self, f: "_Forward") -> None:
+        """A forward's round or what follows it failed or was cut short (Ctrl-C): until its call is tracked,
+        nothing would ever free the graphs the workers keep for it, so they are released now."""
+        if f.grad and not self.graphs.kept(f.call):
+            self.graphs.release(f.call)
+        self.graphs.retell()  # a round cut short may not have told every worker
 
     def _finish_forward(self, f: "_Forward", replies: dict[int, Any]) -> Any:
         """The rest of a forward once its round's replies are in: fetch outputs that did not fit, build its
-        :class:`CallState`, gather (or keep the outputs on the workers), and commit its buffer updates."""
+        :class:`CallState`, gather (or keep the outputs on the workers), and commit its buffer updates. Its
+        callers run :meth:`_forward_failed` if it raises (a GatherError, a Ctrl-C before the call is tracked)."""
         pool = self.pool
-        try:
-            pool.unlink_segments()
-            self._raise_failures(replies, "forward")
-            self.stats.split_round("forward", pool.sent_at, pool.arrived, replies, f.k)
-            fetch = {s: r.need for s, r in replies.items() if r.need}
-            if fetch:
-                fetched = self._fetch_round(lambda s, ref: P.Fetch(f.call, ref), "out", fetch, "returning outputs",
-                                            "forward")
-                for s, r in fetched.items():
-                    replies[s].tensors = r.tensors
-            specs = [replies[s].tree for s in range(f.k)]
-            out_metas = [replies[s].tensors for s in range(f.k)]
-            groups = _gather.tensor_groups(specs)
-            outs = [self.io.segment(s, "out") for s in range(f.k)]
-            state = CallState(self, f.call, f.k, groups, out_metas, outs, f.splits, f.gin_sizes, f.rg,
-                              [[t.shape for t in f.shards[s]] for s in range(f.k)])
-            state.fseq = self.nodes.fseq if self.nodes is not None else 0  # the training forward its backward names
-            diff_inputs = [t for t, r in zip(f.tensors, f.rg) if r]
-            diff_idx = [i for i, p in enumerate(self.params) if p.requires_grad] if f.grad else []
-            diff_params = [self.params[i] for i in diff_idx]
-            state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
-            state.diff_idx = diff_idx
-            state.params = self.params
-            state.versions = f.versions if f.versions is not None else [p._version for p in state.params] if f.grad else []
-            state.input_devices = [t.device for t in diff_inputs]
-            if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
-                handle = f.handle if f.handle is not None else ShardedOutput(self, state, specs, diff_inputs)
-                handle._state, handle._specs = state, specs  # (a deferred forward's handle: filled in now)
-                self.graphs.track(f.call, handle)
-                for s in range(f.k):
-                    self.io.keep(s, f.call, f.spans[s])
-                gathered = None
-            elif f.grad and any(state.differentiable):
-                gathered = Bridge.apply(state, diff_idx, *diff_inputs, *diff_params)
-                if not isinstance(gathered, tuple):
-                    gathered = (gathered,)
-                self.graphs.track(f.call, state.ctx)
-                for s in range(f.k):
-                    self.io.keep(s, f.call, f.spans[s])
-                state.ctx = None
-            else:
-                if f.grad:
-                    self.graphs.release(f.call)
-                gathered = state.gather()
-        except BaseException:
-            # Until the call is tracked (or released above), nothing would ever free the graphs the
-            # workers keep for it: a GatherError or a Ctrl-C here must not leave them there for good.
-            if f.grad and not self.graphs.kept(f.call):
+        pool.unlink_segments()
+        self._raise_failures(replies, "forward")
+        self.stats.split_round("forward", pool.sent_at, pool.arrived, replies, f.k)
+        fetch = {s: r.need for s, r in replies.items() if r.need}
+        if fetch:
+            fetched = self._fetch_round(lambda s, ref: P.Fetch(f.call, ref), "out", fetch, "returning outputs",
+                                        "forward")
+            for s, r in fetched.items():
+                replies[s].tensors = r.tensors
+        specs = [replies[s].tree for s in range(f.k)]
+        out_metas = [replies[s].tensors for s in range(f.k)]
+        groups = _gather.tensor_groups(specs)
+        outs = [self.io.segment(s, "out") for s in range(f.k)]
+        state = CallState(self, f.call, f.k, groups, out_metas, outs, f.splits, f.gin_sizes, f.rg,
+                          [[t.shape for t in f.shards[s]] for s in range(f.k)])
+        state.fseq = self.nodes.fseq if self.nodes is not None else 0  # the training forward its backward names
+        diff_inputs = [t for t, r in zip(f.tensors, f.rg) if r]
+        diff_idx = [i for i, p in enumerate(self.params) if p.requires_grad] if f.grad else []
+        diff_params = [self.params[i] for i in diff_idx]
+        state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
+        state.diff_idx = diff_idx
+        state.params = self.params
+        state.versions = f.versions if f.versions is not None else [p._version for p in state.params] if f.grad else []
+        state.input_devices = [t.device for t in diff_inputs]
+        if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
+            handle = f.handle() if f.handle is not None else None
+            if handle is None:  # (a deferred forward whose output nothing holds: it runs all the same)
+                handle = ShardedOutput(self, state, specs, diff_inputs)
+            handle._state, handle._specs = state, specs  # (a deferred forward's handle: filled in now)
+            self.graphs.track(f.call, handle)
+            for s in range(f.k):
+                self.io.keep(s, f.call, f.spans[s])
+            gathered = None
+        elif f.grad and any(state.differentiable):
+            gathered = Bridge.apply(state, diff_idx, *diff_inputs, *diff_params)
+            if not isinstance(gathered, tuple):
+                gathered = (gathered,)
+            self.graphs.track(f.call, state.ctx)
+            for s in range(f.k):
+                self.io.keep(s, f.call, f.spans[s])
+            state.ctx = None
+        else:
+            if f.grad:
                 self.graphs.release(f.call)
-            self.graphs.retell()  # a round cut short may not have told every worker
-            raise
+            gathered = state.gather()
         state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
         rows = next((sizes for sizes in f.splits if sizes is not None), [1] * f.k)
         self.stats.forward(rows, [replies[s].busy for s in range(f.k)], sum(nbytes(t) for sh in f.shards for t in sh),
@@ -919,13 +931,17 @@ class Runtime:
         """
         pool, state = self.pool, handle._state
         pending = self._pending
-        if pending is not None and pending.f.handle is not handle:
+        if pending is not None and (pending.f.handle is None or pending.f.handle() is not handle):
             self._run_deferred()  # (another forward's: it runs first, in its own round)
             pending = None
-        if pending is not None:
-            self._check_deferred(pending.f)  # the forward and this loss go to the workers together
+        if pending is not None:  # the forward and this loss go to the workers together
+            refused = self._check_deferred(pending.f)
+            if refused is not None:
+                raise ModelChangedError(refused)
         else:
             self._check_usable()
+            if isinstance(state, _Unrun):
+                state.check()
         fn = crit.payload()  # (the loss may have changed since the last step)
         if pending is None and not self.graphs.kept(state.call):
             raise RuntimeError("the outputs of this forward are no longer on the workers (released or restarted)")
@@ -1008,26 +1024,25 @@ class Runtime:
     def _forward_and_loss(self, pending: _Deferred, msgs: dict[int, P.Criterion]) -> dict[int, Any]:
         """Send the deferred forward with its loss's ``msgs`` as one request; commit the forward (its failures
         raised as a forward's) and return the loss's replies."""
-        self._pending = None
         f = pending.f
-        both = {s: P.ForwardCriterion(P.values_of(pending.msgs[s]), P.values_of(m), m.together)
-                for s, m in msgs.items()}
-        try:
-            replies = self._request(both, "running forward and computing the loss")
-        except BaseException:
-            self.graphs.release(f.call)
-            self.graphs.retell()  # a round cut short may not have told every worker
-            raise
         forward: dict[int, Any] = {}
         loss: dict[int, Any] = {}
-        for s, r in replies.items():
-            if isinstance(r, P.ForwardCriterionDone):
-                forward[s] = P.inner("forward_done", r.forward)
-                loss[s] = P.inner(r.criterion_op, r.criterion)
-            else:  # the forward failed: the loss did not run, and the segments only it named (its targets')
-                forward[s] = r  # were never mapped there; their names go with this round: new ones next time
-                self.io.reset(s)
-        self._finish_forward(f, forward)
+        try:
+            self._pending = None
+            both = {s: P.ForwardCriterion(P.values_of(pending.msgs[s]), P.values_of(m), m.together)
+                    for s, m in msgs.items()}
+            replies = self._request(both, "running forward and computing the loss")
+            for s, r in replies.items():
+                if isinstance(r, P.ForwardCriterionDone):
+                    forward[s] = P.inner("forward_done", r.forward)
+                    loss[s] = P.inner(r.criterion_op, r.criterion)
+                else:  # the forward failed: the loss did not run, and the segments only it named (its targets')
+                    forward[s] = r  # were never mapped there; their names go with this round: new ones next time
+                    self.io.reset(s)
+            self._finish_forward(f, forward)
+        except BaseException:
+            self._forward_failed(f)
+            raise
         self.stats.forward_rounds_saved += 1
         return loss
 
@@ -1035,19 +1050,23 @@ class Runtime:
         """Run the deferred forward in a round of its own (see :class:`_Deferred`)."""
         pending = self._pending
         assert pending is not None
-        self._check_deferred(pending.f)
-        self._pending = None
+        refused = self._check_deferred(pending.f)
+        if refused is not None:  # its output, if anything still holds it, raises this when it is used
+            handle = pending.f.handle() if pending.f.handle is not None else None
+            if handle is not None:
+                handle._state.refused = refused
+            return
         try:
-            replies = self._request(pending.msgs, "running forward")
+            self._pending = None
+            self._finish_forward(pending.f, self._request(pending.msgs, "running forward"))
         except BaseException:
-            self.graphs.release(pending.f.call)
-            self.graphs.retell()  # a round cut short may not have told every worker
+            self._forward_failed(pending.f)
             raise
-        self._finish_forward(pending.f, replies)
 
-    def _check_deferred(self, f: _Forward) -> None:
-        """Raise, and drop the deferred forward ``f``, if it can no longer run as it was called: the pool
-        cannot serve it (a restart lost its segments), or a parameter changed in place since."""
+    def _check_deferred(self, f: _Forward) -> str | None:
+        """Drop the deferred forward ``f`` if it can no longer run as it was called, and raise if the pool cannot
+        serve it (a restart lost its segments); return why, if a parameter changed in place since (its
+        output raises that when used: the forward would read the new values)."""
         try:
             self._check_usable()
             if self.graphs.lost(f.call):
@@ -1057,23 +1076,24 @@ class Runtime:
         except BaseException:
             self._drop_deferred(f)
             raise
-        if changed:
-            self._drop_deferred(f)
-            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-            raise ModelChangedError(
-                f"parameter{'s' * (len(changed) > 1)} {', '.join(changed[:3])}{more} of the dpool model changed in "
-                "place after model(x) and before the loss of its outputs. With gather=False the forward runs on "
-                "the workers together with its loss (dpool.criterion), so it would read the new values. Compute "
-                "the loss before changing the parameters, or call the model again after the change "
-                "(DPOOL_FORWARD_WITH_LOSS=off runs every forward at once).")
+        if not changed:
+            return None
+        self._drop_deferred(f)
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        return (f"parameter{'s' * (len(changed) > 1)} {', '.join(changed[:3])}{more} of the dpool model changed in "
+                "place after model(x) and before its outputs were used. With gather=False a training forward waits "
+                "for its loss (dpool.criterion) and runs on the workers with it, or at the model's next call, so it "
+                "would have read the new values; it did not run. Compute the loss before changing the parameters, "
+                "or call the model again after the change (DPOOL_FORWARD_WITH_LOSS=off runs every forward at once).")
 
     def _drop_deferred(self, f: _Forward) -> None:
-        """Forget the deferred forward ``f`` without running it: its output can no longer be used."""
-        if self._pending is not None and self._pending.f is f:
-            self._pending = None
+        """Forget the deferred forward ``f`` without running it: its output can no longer be used. (Last, the
+        pending forward goes: a Ctrl-C before leaves it to be checked, and dropped, again at the next call.)"""
+        self.graphs.retell()  # the calls its messages would have told the workers to release
         self.io.release(f.call)
         self.graphs.release(f.call)
-        self.graphs.retell()  # the calls its messages would have told the workers to release
+        if self._pending is not None and self._pending.f is f:
+            self._pending = None
 
     @_one_call_at_a_time
     def backward_speculated(self, state: CallState, guess: Any, seed: torch.Tensor, crit: Any,
@@ -1108,6 +1128,8 @@ class Runtime:
         """Gather outputs kept on the workers, through the autograd bridge."""
         state = handle._state
         self._check_usable()
+        if isinstance(state, _Unrun):
+            state.check()
         if not self.graphs.kept(state.call):
             raise RuntimeError("the outputs of this forward are no longer on the workers (released or restarted)")
         sizes = {s: sum(meta_nbytes(m) for m in state.metas[s]) or 64 for s in range(state.k)}

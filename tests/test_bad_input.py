@@ -277,6 +277,22 @@ def test_fuzz_decode_structured(version, op, seq, re_, body):
         pass
 
 
+def test_a_message_inside_another_is_checked_as_a_whole_one():
+    """forward_criterion carries a forward's and a criterion's fields: the worker checks them as decode()
+    checks a message, and only those ops (and their replies) may travel inside another."""
+    fwd = P.Forward(3, 1, True, b"\x01", b"\x01", False, ["in", 64], ["out", 64], ["T", 0],
+                    [P.TensorMeta("float32", [2, 2], 0, False)], 0, 2, True, None, [], 7, [])
+    body = msgpack.unpackb(msgpack.packb(P.values_of(fwd)), raw=False)
+    assert P.inner("forward", body) == fwd
+    with pytest.raises(ProtocolError, match="'shutdown' cannot travel inside another message"):
+        P.inner("shutdown", [])
+    with pytest.raises(ProtocolError, match="forward: expected 17 fields"):
+        P.inner("forward", body[:3])
+    body[4] = "not a bool"
+    with pytest.raises(ProtocolError, match="forward.requires_grad: unexpected str"):
+        P.inner("forward", body)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=256), st.binary(min_size=32, max_size=32))
 def test_fuzz_unauthenticated_frames_never_decoded(payload, mac):

@@ -868,6 +868,12 @@ def test_a_forward_goes_to_the_workers_with_its_loss(wrap, monkeypatch):
         net.net.net[0].weight.add_(1.0)  # an optimizer step before the loss
     with pytest.raises(dpool.ModelChangedError, match=r"net\.net\.0\.weight .*changed in place after model\(x\)"):
         crit(out, y)
+    out = model(x)
+    with torch.no_grad():
+        net.net.net[0].bias.add_(1.0)
+    model(x)  # runs nothing of the first: it did not run, and its output says so when used
+    with pytest.raises(dpool.ModelChangedError, match=r"net\.net\.0\.bias .*it did not run"):
+        out.gather()
     small = x.clone()
     small[6, 0] = 1000.0  # shard 1
     with pytest.raises(ValueError, match="forward exploded"):

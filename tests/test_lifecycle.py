@@ -130,7 +130,7 @@ def test_wrap_close_cycles_under_ulimit_64_leave_no_fd_mapping_or_thread():
     assert r["new_fds"] == {} and r["mappings"][0] == r["mappings"][1] and r["threads"][0] == r["threads"][1]
 
 
-def _train_and_drop(criterion: bool, optimizer: bool) -> tuple[weakref.ref, list[int]]:
+def _train_and_drop(criterion: bool, optimizer: bool, pending: bool = False) -> tuple[weakref.ref, list[int]]:
     torch.manual_seed(0)
     m = dpool.wrap(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)), ["cpu", "cpu"],
                    gather=not criterion)
@@ -142,6 +142,9 @@ def _train_and_drop(criterion: bool, optimizer: bool) -> tuple[weakref.ref, list
         if opt is not None:
             opt.step()
             opt.zero_grad()
+    if pending:  # a forward that waits for its loss (gather=False) when the model is dropped
+        out = m(torch.randn(8, 6))
+        assert m._runtime._pending is not None and out is not None
     return weakref.ref(m._runtime.pool), list(m.pids)
 
 
@@ -151,11 +154,12 @@ def test_a_model_dropped_without_close_takes_its_workers_with_it():
     their memory: the pool's finalizer held the control channel, whose callback held the pool, so not even
     the garbage collector could free it. Now the pool goes with its model: by reference counting alone
     (dpool keeps no cycle through the runtime), or at the collector's next pass where torch's optimizer
-    keeps the model in a cycle of its own; with the loss on the workers too."""
+    keeps the model in a cycle of its own; with the loss on the workers too, and with a forward that waits for
+    its loss."""
     gc.disable()
     try:
-        for criterion in (False, True):
-            pool, pids = _train_and_drop(criterion, optimizer=False)
+        for criterion, pending in ((False, False), (True, False), (True, True)):
+            pool, pids = _train_and_drop(criterion, optimizer=False, pending=pending)
             assert pool() is None  # no collection ran: nothing kept it in a cycle
             assert wait_for(lambda: not any(running(p) for p in pids), timeout=10)
     finally:
@@ -426,7 +430,7 @@ for i, (code, offset) in enumerate(positions):
 # Ctrl-C anywhere in the coordinator's forward, between its request and the call's graph being tracked
 # by the autograd node that frees it: the workers must not keep that graph for good.
 del out  # (the last output above holds its graph)
-forward = [coordinator.Runtime._forward]
+forward = [coordinator.Runtime._forward, coordinator.Runtime._finish_forward]
 for code, offset in CtrlC.positions(forward, lambda: model(x).sum().backward()):
     with CtrlC(code, offset) as cut:
         try:
@@ -439,6 +443,41 @@ gc.collect()  # a node cut off mid-way may sit in a reference cycle: its graph g
 model(x).sum().backward()  # tells the workers what was released
 net.zero_grad()
 graphs = [w["graphs_kept"] for w in model.stats(inspect=True)["workers"]]
+
+# The same with the loss on the workers, whose forward waits for the loss (gather=False): Ctrl-C anywhere
+# from the deferred forward to the loss's backward, then steps equal to one process's, and no graph kept.
+lossy = dpool.wrap(copy.deepcopy(ref), ["cpu", "cpu"], step_timeout_s=10, gather=False)
+crit, ce = dpool.criterion(nn.CrossEntropyLoss()), nn.CrossEntropyLoss()
+t = torch.randint(0, 3, (6,))
+crit(lossy(x), t).backward()  # (its first call sends what first calls send: not a point the trials reach)
+lossy.module.zero_grad()
+fused = [coordinator.Runtime._forward, coordinator.Runtime.criterion, coordinator.Runtime._forward_and_loss,
+         coordinator.Runtime._finish_forward, coordinator.Runtime._check_deferred, coordinator.Runtime._run_deferred]
+fused_positions = CtrlC.positions(fused, lambda: (lossy(x), crit(lossy(x), t).backward()))
+for code, offset in fused_positions:
+    with CtrlC(code, offset) as cut:
+        try:
+            lossy(x)  # never used: it runs before the next forward
+            crit(lossy(x), t).backward()
+        except KeyboardInterrupt:
+            pass
+    missed += not cut.hit
+    lossy.module.zero_grad()
+    try:
+        y, n = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+        crit(lossy(y), n).backward()
+        ce(ref(y), n).backward()
+        if not all(torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+                   for p, q in zip(lossy.parameters(), ref.parameters())):
+            wrong.append([code.co_name, offset, "loss", "wrong numbers"])
+    except Exception as e:
+        wrong.append([code.co_name, offset, "loss", f"{type(e).__name__}: {str(e)[:200]}"])
+    lossy.module.zero_grad()
+    ref.zero_grad()
+gc.collect()
+crit(lossy(x), t).backward()  # tells the workers what was released
+loss_graphs = [w["graphs_kept"] for w in lossy.stats(inspect=True)["workers"]]
+lossy.close()
 
 # A round that grew the input segments, cut after worker 0's message left and before worker 1's; then a
 # round that names no input segment (after which every name is unlinked); then the big batch again.
@@ -461,7 +500,7 @@ except Exception as e:
 grown = grown if cut.hit else "no Ctrl-C"
 model.close()
 print("RESULT " + json.dumps({"positions": len(positions), "missed": missed, "wrong": wrong, "graphs": graphs,
-                              "grown": grown}))
+                              "grown": grown, "fused_positions": len(fused_positions), "loss_graphs": loss_graphs}))
 """
 
 
@@ -476,6 +515,7 @@ def test_ctrl_c_anywhere_in_a_rounds_sends_or_the_forward_leaves_the_pool_exact(
     assert r["positions"] > 20 and r["missed"] == 0, r
     assert r["wrong"] == [], r["wrong"][:10]
     assert r["graphs"] == [0, 0]  # a forward cut after its request used to leave its graph on the workers
+    assert r["fused_positions"] > 100 and r["loss_graphs"] == [0, 0], r
     assert r["grown"] is True, r["grown"]
 
 
@@ -669,7 +709,8 @@ kill_worker_1()
 code, offset = next(p for p in positions if p[0].co_name == "_await_hello")
 with CtrlC(code, offset):
     try:
-        model(x)
+        with torch.no_grad():  # (sent at once: a training forward would wait for its loss, see _Deferred)
+            model(x)
     except KeyboardInterrupt:
         pass
 try:
