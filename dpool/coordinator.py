@@ -8,6 +8,11 @@ reads in torch::
                → gather (bridge, gather) → commit buffers (buffers)
     backward:  slice output gradients per shard → request (pool) → reduce
 
+With the loss on the workers (``gather=False``, :mod:`dpool.loss`) a training
+forward stops before its request and waits for its loss (:class:`_Deferred`):
+the criterion sends both in one request, with the backward when its gradient
+can be told in advance, so a step is one round.
+
 Each stage is its own module; this one only composes them, and owns the
 restart policy and the one-call-at-a-time lock.
 
@@ -139,9 +144,14 @@ class _Deferred:
     numbers. Any other call on the runtime (another forward, ``out.gather()``, a backward, ``worker_states``,
     a criterion of another output) first runs the deferred forward in a round of its own, so the workers see
     every request in the order the program made it. ``close()`` drops a forward nothing used. A parameter
-    changed in place before the deferred forward ran is an error (:class:`ModelChangedError`) instead of a
-    forward that would read the new values. Only for CPU workers, models without buffers, outside cross-node
-    mode, with grad enabled; ``DPOOL_FORWARD_WITH_LOSS=off`` turns it off.
+    changed in place before the deferred forward ran means it cannot run as it was called: its criterion raises
+    :class:`ModelChangedError`; another call drops it, and its output raises that error when it is used. Only
+    for CPU workers, models without buffers, outside cross-node mode, with grad enabled;
+    ``DPOOL_FORWARD_WITH_LOSS=off`` turns it off.
+
+    Ctrl-C: the calls a forward's messages tell the workers to release are told again (``Graphs.retell``)
+    wherever the deferral, the round that sends it, or its dropping is cut; ``tests/test_lifecycle.py`` cuts
+    each of them at every point.
     """
 
     __slots__ = ("msgs", "f")

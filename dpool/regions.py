@@ -9,9 +9,13 @@ twice the size, a power of two) when a larger batch arrives.
 Inputs are different: a graph kept on a worker may have saved its input
 tensors, which are views of ``in``. So each call's input span is recorded
 (:meth:`IORegions.keep`) until the call's graph is released, and new inputs
-are placed after every span still kept in the current ``in`` segment; when
-they do not fit, a new segment is made and the old one lives as long as the
-spans in it.
+go to the first gap of the current ``in`` segment that no kept span covers
+and that holds them (first fit from its start); when none does, a new segment
+is made and the old one lives as long as the spans in it. (Placing them after
+every kept span instead grew the segment without end where each step's
+inputs are placed while the previous step's are still kept, as with the loss
+on the workers: the frontier only moved on, and each time it reached the end
+the segment was replaced by one twice as large.)
 
 A worker maps a segment by its name when a request first names it, and the
 coordinator unlinks every name after each request. So a segment made while the
@@ -82,20 +86,28 @@ class IORegions:
             self._segs[w][role] = old
         self._made.clear()
 
-    def _input_start(self, w: int) -> tuple[Any, int]:
+    def _input_start(self, w: int, need: int) -> tuple[Any, int]:
+        """Worker ``w``'s ``in`` segment and the start of its first gap between kept spans that holds ``need``
+        bytes (or the end of the last span: then they may not fit)."""
         seg = self._segs[w]["in"]
-        return seg, max((end for s, _, end in self._kept[w].values() if s is seg), default=0)
+        start = 0
+        for a, b in sorted((a, b) for s, a, b in self._kept[w].values() if s is seg):
+            if start + need <= a:
+                break
+            start = max(start, b)
+        return seg, start
 
     def input_growth(self, w: int, need: int) -> int:
         """Bytes of the new segment :meth:`input_region` would create for ``need`` bytes (0 if they fit)."""
-        seg, start = self._input_start(w)
+        seg, start = self._input_start(w, need)
         if seg is not None and start + need <= seg.size:
             return 0
         return 1 << (_grown(need, seg) - 1).bit_length()
 
     def input_region(self, w: int, need: int) -> tuple[Any, int]:
-        """Where ``need`` bytes of new inputs go for worker ``w``: ``(segment, start)``, after every kept span."""
-        seg, start = self._input_start(w)
+        """Where ``need`` bytes of new inputs go for worker ``w``: ``(segment, start)``, in the first gap between
+        the kept spans that holds them."""
+        seg, start = self._input_start(w, need)
         if seg is None or start + need > seg.size:
             seg, start = self._replace(w, "in", need), 0
         return seg, start

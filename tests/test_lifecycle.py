@@ -148,6 +148,27 @@ def _train_and_drop(criterion: bool, optimizer: bool, pending: bool = False) -> 
     return weakref.ref(m._runtime.pool), list(m.pids)
 
 
+def test_the_input_segments_stay_bounded_with_the_loss_on_the_workers(wrap):
+    """Each step's inputs are placed while the previous step's are still kept (its loss lives until the next
+    one replaces it). They went after every kept span, so the frontier only moved on, and each time it reached
+    the end the input segment was replaced by one twice as large: 64 MiB per worker after 300 steps of
+    256 KiB shards, growing without end. Now they take the first gap that holds them: the same 1 MiB
+    segment for good, and the same places (and cached views) step after step."""
+    model = wrap(torch.nn.Linear(256, 8), gather=False)
+    crit = dpool.criterion(torch.nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(512, 256), torch.randint(0, 8, (512,))  # 256 KiB of inputs per shard
+    segments = set()
+    for _ in range(40):
+        opt.zero_grad()
+        loss = crit(model(x), y)
+        loss.backward()
+        opt.step()
+        segments.add(model._runtime.io.segment(0, "in").name)
+    assert [model._runtime.io.segment(w, "in").size for w in range(2)] == [1 << 20] * 2
+    assert len(segments) == 1
+
+
 def test_a_model_dropped_without_close_takes_its_workers_with_it():
     """A sweep over hyperparameters, or a notebook cell run again, drops models without close(). Each
     dropped model's pool used to stay alive until the interpreter exited, with its worker processes and
