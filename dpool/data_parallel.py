@@ -73,7 +73,10 @@ class DataParallel(nn.DataParallel):
             environment variable then names a 0600 copy of the pool's key.
         gather (bool): ``False`` keeps outputs on the workers: a forward returns a
             :class:`dpool.ShardedOutput` for :func:`dpool.criterion` (loss computed on
-            the workers) or for ``.gather()``. Default: ``True``.
+            the workers) or for ``.gather()``. A training forward of CPU workers then waits
+            for its loss and goes to the workers with it, in one round (its errors are
+            raised by the criterion; ``DPOOL_FORWARD_WITH_LOSS=off`` sends it at once; see
+            docs/features.md). Default: ``True``.
         process_group (optional): cross-node mode, one dpool node per machine under
             ``torchrun``: ``"auto"`` (the default group, when ``torch.distributed`` is
             initialised with more than one rank), ``None`` to stay on this node, or a
