@@ -269,7 +269,7 @@ class DataParallel(nn.DataParallel):
             and ``backward_reply_ms``, the time its request took to reach the handler and its reply to
             be read back; with ``inspect``, ``graphs_kept`` and ``rss_bytes``), ``round_ms``
             (``forward``, ``backward``: each round's wall time, 0 for a backward that the loss round
-            already ran) and
+            already ran; a forward sent with its loss counts the whole round, loss included) and
             ``bytes_per_step`` (``inputs``, ``outputs``, ``output_grads`` and ``param_grads`` moved
             through shared memory in the latest step), ``backward_rounds_saved`` (backwards of a
             :class:`dpool.criterion`'s loss that the workers had already run in the loss round),
