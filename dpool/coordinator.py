@@ -83,12 +83,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _one_call_at_a_time(method: F) -> F:
-    """Hold the runtime's call lock for the whole call (threads wait for the call in flight)."""
+    """Hold the runtime's call lock for the whole call (threads wait for the call in flight), and run a
+    deferred forward first (see :class:`_Deferred`)."""
+
+    first = method.__name__ != "criterion"  # (the criterion sends a deferred forward with its loss, or first)
 
     @functools.wraps(method)
     def locked(self: "Runtime", *args: Any, **kwargs: Any) -> Any:
         with self.call_lock:
-            if self._pending is not None and method.__name__ != "criterion":
+            if first and self._pending is not None:
                 self._run_deferred()  # every other call finds the forwards before it run (see _Deferred)
             return method(self, *args, **kwargs)
 
