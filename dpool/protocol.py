@@ -781,8 +781,8 @@ MESSAGES: dict[str, type[Message]] = {
     cls.op: cls  # type: ignore[misc]
     for cls in (
         Boot, Hello, Init, InitDone, Forward, ForwardDone, Fetch, FetchDone, Backward, BackwardDone, FetchSparse,
-        FetchSparseDone, Criterion, CriterionDone, ForwardCriterion, ForwardCriterionDone, Inspect, InspectDone, Call, CallDone, AllReduce, AllReduceDone,
-        BucketReady,
+        FetchSparseDone, Criterion, CriterionDone, ForwardCriterion, ForwardCriterionDone, Inspect, InspectDone, Call,
+        CallDone, AllReduce, AllReduceDone, BucketReady,
         Shutdown, Failed, Output, Serve, ServeDone, EndServe, Attach, AttachDone, Detach, DetachDone, Status, StatusDone, Stop,
         StopDone,
     )
