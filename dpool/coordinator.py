@@ -120,6 +120,10 @@ class _Forward:
     def rows(self) -> list[int]:
         return next((sizes for sizes in self.splits if sizes is not None), [1] * self.k)
 
+    def output(self) -> ShardedOutput | None:
+        """A deferred forward's output, if anything still holds it."""
+        return self.handle() if self.handle is not None else None
+
     def diff_inputs(self) -> list[torch.Tensor]:
         return [t for t, r in zip(self.tensors, self.rg) if r]
 
@@ -877,7 +881,7 @@ class Runtime:
         state = CallState(self, f.call, f.k, groups, out_metas, outs, f.splits, f.gin_sizes, f.rg,
                           [[t.shape for t in f.shards[s]] for s in range(f.k)])
         state.fseq = self.nodes.fseq if self.nodes is not None else 0  # the training forward its backward names
-        diff_inputs = [t for t, r in zip(f.tensors, f.rg) if r]
+        diff_inputs = f.diff_inputs()
         diff_idx = [i for i, p in enumerate(self.params) if p.requires_grad] if f.grad else []
         diff_params = [self.params[i] for i in diff_idx]
         state.diff_inputs, state.diff_params = diff_inputs, diff_params  # what a double backward differentiates
@@ -886,7 +890,7 @@ class Runtime:
         state.versions = f.versions if f.versions is not None else [p._version for p in state.params] if f.grad else []
         state.input_devices = [t.device for t in diff_inputs]
         if not self.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
-            handle = f.handle() if f.handle is not None else None
+            handle = f.output()
             if handle is None:  # (a deferred forward whose output nothing holds: it runs all the same)
                 handle = ShardedOutput(self, state, specs, diff_inputs)
             handle._state, handle._specs = state, specs  # (a deferred forward's handle: filled in now)
@@ -907,7 +911,7 @@ class Runtime:
                 self.graphs.release(f.call)
             gathered = state.gather()
         state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
-        rows = next((sizes for sizes in f.splits if sizes is not None), [1] * f.k)
+        rows = f.rows()
         self.stats.forward(rows, [replies[s].busy for s in range(f.k)], sum(nbytes(t) for sh in f.shards for t in sh),
                            sum(meta_nbytes(m) for ms in out_metas for m in ms))
         if log.isEnabledFor(logging.DEBUG):
@@ -927,8 +931,7 @@ class Runtime:
                                      f.nodes.all_reduce, doing="combining buffer statistics"))
         state.rows = rows
         # what a deferred forward's loss predicts from (see criterion): this forward's output dtype and shapes
-        self._last_out = (self._loss_dtype(out_metas),
-                          [list(out_metas[s][0].shape) if specs[s] == ["T", 0] else None for s in range(f.k)], rows)
+        self._last_out = (self._loss_dtype(out_metas), self._out_shapes(out_metas, specs), rows)
         if gathered is None:
             return handle
         return _gather.build(specs, iter(gathered))
@@ -944,7 +947,7 @@ class Runtime:
         """
         pool, state = self.pool, handle._state
         pending = self._pending
-        if pending is not None and (pending.f.handle is None or pending.f.handle() is not handle):
+        if pending is not None and pending.f.output() is not handle:
             self._run_deferred()  # (another forward's: it runs first, in its own round)
             pending = None
         if pending is not None:  # the forward and this loss go to the workers together
@@ -968,8 +971,7 @@ class Runtime:
         shards = _scatter.shard_views(tensors, [rows if t.dim() > self.dim else None for t in tensors], k, self.dim)
         if pending is None:
             dtype = self._loss_dtype(state.metas)
-            shapes: list[list[int] | None] = [list(state.metas[s][0].shape) if handle._specs[s] == ["T", 0] else None
-                                              for s in range(k)]
+            shapes = self._out_shapes(state.metas, handle._specs)
             differentiable = any(state.differentiable)
         else:  # the forward has not run: the previous forward's, checked against this one's once it ran
             dtype, last_shapes, last_rows = self._last_out
@@ -1030,6 +1032,11 @@ class Runtime:
         return combine(self, handle, done, dtype, crit.reduction, guess, crit, param_idx)
 
     @staticmethod
+    def _out_shapes(metas: list[list[Any]], specs: list) -> list[list[int] | None]:
+        """Each shard's output shape, where its output is one tensor (what an elementwise loss's mean divides by)."""
+        return [list(ms[0].shape) if spec == ["T", 0] else None for ms, spec in zip(metas, specs)]
+
+    @staticmethod
     def _loss_dtype(metas: list[list[Any]]) -> torch.dtype:
         """The dtype a criterion's loss takes: the first floating output's of shard 0."""
         return next((DTYPES[m.dtype] for m in metas[0] if DTYPES[m.dtype].is_floating_point), torch.float32)
@@ -1065,7 +1072,7 @@ class Runtime:
         assert pending is not None
         refused = self._check_deferred(pending.f)
         if refused is not None:  # its output, if anything still holds it, raises this when it is used
-            handle = pending.f.handle() if pending.f.handle is not None else None
+            handle = pending.f.output()
             if handle is not None:
                 handle._state.refused = refused
             return
@@ -1085,15 +1092,14 @@ class Runtime:
             if self.graphs.lost(f.call):
                 raise RuntimeError("the outputs of this forward are no longer on the workers (restarted)")
             assert f.versions is not None
-            changed = [n for n, p, v in zip(self.master.param_names, self.params, f.versions) if p._version != v]
+            changed = self._changed_since(f.versions)
         except BaseException:
             self._drop_deferred(f)
             raise
         if not changed:
             return None
         self._drop_deferred(f)
-        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        return (f"parameter{'s' * (len(changed) > 1)} {', '.join(changed[:3])}{more} of the dpool model changed in "
+        return (f"{changed} of the dpool model changed in "
                 "place after model(x) and before its outputs were used. With gather=False a training forward waits "
                 "for its loss (dpool.criterion) and runs on the workers with it, or at the model's next call, so it "
                 "would have read the new values; it did not run. Compute the loss before changing the parameters, "
@@ -1232,6 +1238,15 @@ class Runtime:
         before ``loss.backward()``): the workers' graphs read the parameters' current values."""
         return any(p._version != v for p, v in zip(state.params, state.versions))
 
+    def _changed_since(self, versions: Sequence[int]) -> str:
+        """The parameters whose versions moved since ``versions`` were taken, as an error names them ("parameters
+        a, b, c and 2 more"); empty if none did."""
+        names = [n for n, p, v in zip(self.master.param_names, self.params, versions) if p._version != v]
+        if not names:
+            return ""
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return f"parameter{'s' * (len(names) > 1)} {', '.join(names[:3])}{more}"
+
     def check_params(self, state: CallState) -> None:
         """Refuse a backward through a forward whose parameters were changed in place since. One process
         raises too, for the parameters its graph saved; the workers' graphs saved views of the shared
@@ -1240,11 +1255,9 @@ class Runtime:
         may save them) with the forward's; it cannot tell which the graphs saved, so it refuses for any."""
         if not self.params_changed(state):
             return
-        names = [n for n, p, v in zip(self.master.param_names, state.params, state.versions) if p._version != v]
-        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         raise ModelChangedError(
             f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"parameter{'s' * (len(names) > 1)} {', '.join(names[:3])}{more} of the dpool model changed in place "
+            f"{self._changed_since(state.versions)} of the dpool model changed in place "
             "after its forward (an optimizer.step() or an update under torch.no_grad() before this backward). "
             "The workers' graphs would backpropagate with the new values, so dpool refuses, as one process "
             "refuses for the tensors its graph saved. Run the backward before changing the parameters, or the "
