@@ -693,6 +693,8 @@ class Runtime:
         failed = sorted((i, r) for i, r in replies.items() if isinstance(r, P.Failed))
         if not failed:
             return
+        for i, _ in failed:  # it may have failed before mapping the segments its request named, whose names
+            self.io.reset(i)  # are unlinked by now: it gets new ones next time (see dpool.regions)
         # Shards released from a collective because another failed are not the cause: report the cause.
         causes = [(i, r) for i, r in failed if r.qualname != "CollectiveAborted"] or failed
         i, r = causes[0]
@@ -1056,9 +1058,8 @@ class Runtime:
                 if isinstance(r, P.ForwardCriterionDone):
                     forward[s] = P.inner("forward_done", r.forward)
                     loss[s] = P.inner(r.criterion_op, r.criterion)
-                else:  # the forward failed: the loss did not run, and the segments only it named (its targets')
-                    forward[s] = r  # were never mapped there; their names go with this round: new ones next time
-                    self.io.reset(s)
+                else:  # the forward failed: the loss did not run (nor mapped its targets' segment: see
+                    forward[s] = r  # _raise_failures, which _finish_forward calls)
             self._finish_forward(f, forward)
         except BaseException:
             self._forward_failed(f)

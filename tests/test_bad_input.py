@@ -168,6 +168,53 @@ def test_a_round_whose_messages_fail_to_build_leaves_the_pool_usable(wrap):
             torch.testing.assert_close(p.grad, rp.grad, msg=n)
 
 
+class ConstantOnSmallShards(nn.Module):
+    """A shard of at most 5 rows gets an output that does not depend on the parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) if x.shape[0] > 5 else torch.zeros(x.shape[0], 3)
+
+
+@pytest.mark.parametrize("forward_with_loss", ["auto", "off"])
+def test_a_loss_that_fails_on_the_workers_leaves_the_pool_usable(wrap, monkeypatch, forward_with_loss):
+    """A worker maps a segment when a request first names it, and the name is unlinked after that request.
+    A first loss with a target of the wrong shape failed on the workers before they mapped the segment for
+    the backward that runs with the loss; the retry with the right target, and every later backward, then
+    failed ("No such file or directory") although the error said the pool was still usable. So did a shard
+    whose output does not depend on the parameters: it runs no backward with the loss, and did not map that
+    segment either. Now a failed worker gets new segments, and the criterion maps its segments first. Against
+    one process, with the forward waiting for its loss and without."""
+    monkeypatch.setenv("DPOOL_FORWARD_WITH_LOSS", forward_with_loss)
+    torch.manual_seed(0)
+    for net in (nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)), ConstantOnSmallShards()):
+        ref = copy.deepcopy(net)
+        model = wrap(net, gather=False)
+        crit, ce = dpool.criterion(nn.CrossEntropyLoss()), nn.CrossEntropyLoss()
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, ref)]
+        x = torch.randn(11, 4)  # shards of 6 and 5 rows
+        out = model(x)
+        with pytest.raises(RuntimeError, match="target") as info:
+            crit(out, torch.randint(0, 3, (11, 2, 5)))
+        assert info.value.worker == 0 and "criterion" in str(info.value)
+        for step in range(3):
+            y = torch.randint(0, 3, (11,))
+            for opt in opts:
+                opt.zero_grad()
+            if step:
+                out = model(x)
+            crit(out, y).backward()
+            ce(torch.cat([ref(x[:6]), ref(x[6:])]), y).backward()
+            for opt in opts:
+                opt.step()
+            for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, msg=f"{type(net).__name__} {n}, step {step}")
+            x = torch.randn(11, 4)
+
+
 def test_shared_memory_too_small_is_reported_before_writing(identity_pool):
     shm = os.environ.get("DPOOL_SHM_DIR", "/dev/shm")
     free = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize

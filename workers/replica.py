@@ -769,6 +769,8 @@ class Replica:
         if call is None or call.out is None:
             raise RuntimeError("the outputs of this call are no longer kept on the worker (released)")
         inp = self._seg("in", msg.inputs)
+        # mapped now, whether or not the backward runs with the loss: its name is unlinked after this round
+        gin = self._seg("gin", msg.input_grads) if msg.seed else None
         tensors = [read(inp.views, m) for m in msg.tensors]
         args = _tree.unflatten(msg.tree, tensors.__getitem__)
         loss_fn = _tree.load_type(msg.fn)  # cached: the same criterion is sent every step
@@ -776,7 +778,7 @@ class Replica:
             total, denom = split_loss(loss_fn, call.out, args, self._reduced)
         call.outputs.append(total)
         versions = self._buffer_versions()
-        done = self._speculate(msg, call, total) if msg.seed else None
+        done = self._speculate(msg, call, total, gin) if gin is not None else None
         if done is not None and versions:
             self._put_back_assigned()
         self.stage = "idle"
@@ -787,7 +789,7 @@ class Replica:
                                done.param_mask, done.input_grads, done.busy,
                                self._changed_buffers(versions) if versions else [])
 
-    def _speculate(self, msg: P.Criterion, call: _Call, total: torch.Tensor) -> P.BackwardDone | None:
+    def _speculate(self, msg: P.Criterion, call: _Call, total: torch.Tensor, gin: Mapped) -> P.BackwardDone | None:
         """The backward of the shard loss ``total`` with the coordinator's ``msg.seed``, run now, exactly as
         the :class:`~dpool.protocol.Backward` that ``loss.backward()`` would send; ``None`` when it does not
         run or fails (the coordinator then sends that backward: its error, if any, is reported there)."""
@@ -799,8 +801,8 @@ class Replica:
         self.stage = f"running backward at step {msg.step} (right after the loss)"
         own = self._backward_flags(msg.requires_grad)
         try:
-            return self._backward(msg.call, call, [total], [seed], self._seg("gin", msg.input_grads),
-                                  msg.input_grads[1], False, [None, 0], time.monotonic(), speculative=True)
+            return self._backward(msg.call, call, [total], [seed], gin, msg.input_grads[1], False, [None, 0],
+                                  time.monotonic(), speculative=True)
         except Exception:  # sparse gradients (_NotSpeculable) or the model's error: a fresh start next time
             for p in self.params:
                 p.grad = None
