@@ -23,7 +23,9 @@ messages of a round were built, when building failed before the round was sent,
 could never be mapped: the next round would name it after its unlink (the
 worker: "No such file or directory", at every call). :meth:`IORegions.rollback`
 puts back the segments each role had before; :meth:`IORegions.commit` (at the
-send) keeps the new ones.
+send) keeps the new ones. Likewise a worker whose request failed may have failed
+before mapping the names it was given: the coordinator :meth:`IORegions.reset`\ s
+its segments (``Runtime._raise_failures``), and it gets new ones next time.
 """
 from __future__ import annotations
 
@@ -126,7 +128,8 @@ class IORegions:
                 del kept[key]
 
     def reset(self, w: int) -> None:
-        """Worker ``w`` was replaced: its segments and spans are gone with it."""
+        """Worker ``w`` was replaced, or its request failed: new segments for it from now on. Its spans are
+        forgotten too (the old segments, where its graphs' inputs live, are not reused)."""
         self._segs[w] = dict.fromkeys(ROLES)
         self._kept[w] = {}
         self._made = [m for m in self._made if m[0] != w]
