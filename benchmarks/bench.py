@@ -534,38 +534,44 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
     drift hits every count alike; the cost per added worker is taken within each repeat, and its median
     and spread over the repeats are printed. The CPU time is measured twice on the same pool: with
     dpool's defaults, and with the spin through short rounds off (``DPOOL_WAIT_SPIN_US=0``), since the
-    time the coordinator spins (dpool.pool) counts as CPU time without being work per worker. The bare
-    columns are two round trips to as many Python peers that answer at once: over ZeroMQ as dpool's
-    control channel uses it, and over plain ``AF_UNIX`` sockets, which have no I/O thread.
+    time the coordinator spins (dpool.pool) counts as CPU time without being work per worker. Each count
+    is measured on two pools: the loss computed on the gathered output (two rounds a step: forward, then
+    backward), and the loss on the workers (``gather=False`` with ``dpool.criterion``: one round a step).
+    The bare columns are two round trips to as many Python peers that answer at once: over ZeroMQ as
+    dpool's control channel uses it, and over plain ``AF_UNIX`` sockets, which have no I/O thread.
     """
     import dpool
 
     w = WORKLOADS["probe"]
     g = torch.Generator().manual_seed(0)
     data = [w.batch(w.global_batch, g) for _ in range(4)]
-    pools: dict[int, tuple[Any, torch.optim.Optimizer]] = {}
-    cpu: dict[tuple[int, bool], list[float]] = {(n, s): [] for n in counts for s in (True, False)}
-    wall: dict[int, list[float]] = {n: [] for n in counts}
+    modes = ("gathered", "loss")
+    pools: dict[tuple[int, str], tuple[Any, torch.optim.Optimizer, Any]] = {}
+    cpu: dict[tuple[int, str, bool], list[float]] = {(n, m, s): [] for n in counts for m in modes for s in (True, False)}
+    wall: dict[tuple[int, str], list[float]] = {(n, m): [] for n in counts for m in modes}
     bare: dict[tuple[int, str], list[float]] = {(n, k): [] for n in counts for k in ("zmq", "unix")}
     try:
         for n in counts:
-            torch.manual_seed(0)
-            model = dpool.wrap(w.make(), ["cpu"] * n, worker_threads=1)
-            pools[n] = (model, torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9))
-            _steps(*pools[n], w.loss, data, 20)
+            for mode in modes:
+                torch.manual_seed(0)
+                model = dpool.wrap(w.make(), ["cpu"] * n, worker_threads=1, gather=mode == "gathered")
+                loss = w.loss if mode == "gathered" else dpool.criterion(torch.nn.CrossEntropyLoss())
+                pools[n, mode] = (model, torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9), loss)
+                _steps(pools[n, mode][0], pools[n, mode][1], loss, data, 20)
         for _ in range(repeats):
             for n in counts:
-                model, opt = pools[n]
-                pool = model._runtime.pool  # the spin is the pool's (DPOOL_WAIT_SPIN_US sets it at wrap())
-                spin = pool.spin_s
-                for spinning in (True, False):
-                    pool.spin_s = spin if spinning else 0.0
-                    c0 = time.process_time()
-                    took = _steps(model, opt, w.loss, data, steps)
-                    cpu[n, spinning].append((time.process_time() - c0) / steps)
-                    if spinning:
-                        wall[n].append(took / steps)
-                pool.spin_s = spin
+                for mode in modes:
+                    model, opt, loss = pools[n, mode]
+                    pool = model._runtime.pool  # the spin is the pool's (DPOOL_WAIT_SPIN_US sets it at wrap())
+                    spin = pool.spin_s
+                    for spinning in (True, False):
+                        pool.spin_s = spin if spinning else 0.0
+                        c0 = time.process_time()
+                        took = _steps(model, opt, loss, data, steps)
+                        cpu[n, mode, spinning].append((time.process_time() - c0) / steps)
+                        if spinning:
+                            wall[n, mode].append(took / steps)
+                    pool.spin_s = spin
                 for kind, make in (("zmq", _BareZmq), ("unix", _BareUnix)):
                     b = make(n)
                     try:
@@ -573,22 +579,25 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
                     finally:
                         b.close()
     finally:
-        for model, _ in pools.values():
+        for model, _, _ in pools.values():
             model.close()
     med = statistics.median
     lines = ["| workers | coordinator CPU ms/step | wall ms/step | CPU ms/step, DPOOL_WAIT_SPIN_US=0 "
-             "| bare ZeroMQ, 2 rounds: CPU ms | bare AF_UNIX, 2 rounds: CPU ms |", "|---|---|---|---|---|---|"]
-    lines += [f"| {n} | {med(cpu[n, True]) * 1e3:.3f} | {med(wall[n]) * 1e3:.3f} | {med(cpu[n, False]) * 1e3:.3f} "
-              f"| {med(bare[n, 'zmq']) * 1e3:.3f} | {med(bare[n, 'unix']) * 1e3:.3f} |" for n in counts]
+             "| loss on the workers: CPU ms/step | wall ms/step | CPU ms/step, DPOOL_WAIT_SPIN_US=0 "
+             "| bare ZeroMQ, 2 rounds: CPU ms | bare AF_UNIX, 2 rounds: CPU ms |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join([str(n)] + [f"{med(v) * 1e3:.3f}" for m in modes
+                                             for v in (cpu[n, m, True], wall[n, m], cpu[n, m, False])]
+                               + [f"{med(bare[n, k]) * 1e3:.3f}" for k in ("zmq", "unix")]) + " |"
+              for n in counts]
     n0, n1 = counts[0], counts[-1]
     if n1 > n0:
         def slopes(series: dict, key0: Any, key1: Any) -> str:
             return _spread([(b - a) / (n1 - n0) for a, b in zip(series[key0], series[key1])])
 
-        lines.append(f"| per added worker ({n0}→{n1}), median (min–max) of {repeats} repeats "
-                     f"| {slopes(cpu, (n0, True), (n1, True))} | "
-                     f"| {slopes(cpu, (n0, False), (n1, False))} | {slopes(bare, (n0, 'zmq'), (n1, 'zmq'))} "
-                     f"| {slopes(bare, (n0, 'unix'), (n1, 'unix'))} |")
+        lines.append(f"| per added worker ({n0}→{n1}), median (min–max) of {repeats} repeats | "
+                     + " | ".join(f"{slopes(cpu, (n0, m, True), (n1, m, True))} | "
+                                  f"| {slopes(cpu, (n0, m, False), (n1, m, False))}" for m in modes)
+                     + f" | {slopes(bare, (n0, 'zmq'), (n1, 'zmq'))} | {slopes(bare, (n0, 'unix'), (n1, 'unix'))} |")
     return "\n".join(lines)
 
 
