@@ -73,6 +73,23 @@ class ShardedOutput:
     def __repr__(self) -> str:
         return f"ShardedOutput(call={self._state.call}, shard_sizes={self.shard_sizes})"
 
+    def __getattr__(self, name: str) -> Any:
+        # only for names a tensor has (out.backward(), out.shape, out.argmax(1)): others fail as usual
+        if not name.startswith("__") and hasattr(torch.Tensor, name):
+            raise AttributeError(f"'ShardedOutput' object has no attribute {name!r}. {_NOT_A_TENSOR}")
+        raise AttributeError(f"'ShardedOutput' object has no attribute {name!r}")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = getattr(func, "__name__", repr(func))
+        raise TypeError(f"{name}() got a ShardedOutput where it takes a tensor. {_NOT_A_TENSOR}")
+
+
+_NOT_A_TENSOR = ("The dpool model was wrapped with gather=False, so its forward keeps its outputs on the workers "
+                 "and returns this handle instead of tensors. Compute the loss there with "
+                 "dpool.criterion(loss_fn)(out, target), or call out.gather() for the output as gather=True "
+                 "gives it (loss_fn(out.gather(), target)).")
+
 
 class criterion:
     """Wrap a loss module so that it runs on the workers, next to the outputs.

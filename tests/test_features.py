@@ -410,6 +410,31 @@ def test_loss_on_the_workers_equals_full_batch(wrap, loss_fn):
         torch.testing.assert_close(p.grad, rp.grad)
 
 
+def test_a_sharded_output_used_as_a_tensor_says_what_to_do(wrap):
+    """With gather=False the model returns a ShardedOutput. Passing it to a torch function (the usual loss on
+    the gathered output) or using a tensor's attribute on it says why it is not a tensor and what to do; the
+    output is still good for its criterion afterwards."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    ref = copy.deepcopy(net)
+    model = wrap(net, gather=False)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    out = model(x)
+    advice = r"The dpool model was wrapped with gather=False.*dpool\.criterion\(loss_fn\)\(out, target\).*out\.gather\(\)"
+    for use in (lambda: nn.functional.cross_entropy(out, y), lambda: nn.CrossEntropyLoss()(out, y),
+                lambda: torch.softmax(out, 1)):
+        with pytest.raises(TypeError, match=r"\(\) got a ShardedOutput where it takes a tensor\. " + advice):
+            use()
+    for name in ("backward", "shape", "argmax", "detach"):
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'. " + advice):
+            getattr(out, name)
+    assert getattr(out, "not_a_tensor_attribute", None) is None
+    dpool.criterion(nn.CrossEntropyLoss())(out, y).backward()
+    nn.CrossEntropyLoss()(ref(x), y).backward()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+
+
 def _torch_losses(n: int) -> list:
     """(loss module, targets) for every torch.nn loss that takes a batch of outputs, with ``n`` rows."""
     f64 = dict(dtype=torch.float64)
