@@ -24,8 +24,8 @@ could never be mapped: the next round would name it after its unlink (the
 worker: "No such file or directory", at every call). :meth:`IORegions.rollback`
 puts back the segments each role had before; :meth:`IORegions.commit` (at the
 send) keeps the new ones. Likewise a worker whose request failed may have failed
-before mapping the names it was given: the coordinator :meth:`IORegions.reset`\ s
-its segments (``Runtime._raise_failures``), and it gets new ones next time.
+before mapping the names it was given: the coordinator resets its segments
+(:meth:`IORegions.reset`, from ``Runtime._raise_failures``), and it gets new ones next time.
 """
 from __future__ import annotations
 
