@@ -23,8 +23,8 @@ both, and were silently added to the next synchronized backward after a ``zero_g
   cleared before the restart needs nothing more.
 * ``optimizer.step()`` over a parameter with a held gradient raises (a global optimizer pre-hook,
   registered at the first held backward) instead of stepping without it.
-* Sparse gradients (``nn.Embedding(sparse=True)``) get no marker (a dense zero would make their sum
-  dense): clearing theirs is not seen.
+* Sparse gradients (``nn.Embedding(sparse=True)``) get a sparse marker with no entries (a dense zero
+  would make their sum dense), seen the same way.
 
 A model changed after ``wrap()`` cannot be shipped to the workers while they hold gradients (the new
 replicas would start without them): :func:`refuse_change` says so.
@@ -55,7 +55,7 @@ class HeldGradients:
         self._names = names
         self._marks: list[tuple[weakref.ref, int, bool] | None] | None = None  # (marker, version, made by us)
         self._ids: set[int] = set()
-        self._sparse: set[int] = set()  # parameters with sparse gradients: no marker
+        self._sparse: set[int] = set()  # parameters with sparse gradients: a sparse marker
         self._failed: str | None = None  # why the held sums are no accumulation (see failed() and lost())
 
     def mark(self, module: torch.nn.Module, params: Sequence[torch.Tensor], flags: bytes) -> None:
@@ -68,13 +68,13 @@ class HeldGradients:
         old = self._marks or [None] * len(params)
         marks: list[tuple[weakref.ref, int, bool] | None] = []
         for p, flag, before in zip(params, flags, old):
-            if not (flag or before is not None) or id(p) in sparse:
+            if not (flag or before is not None):
                 marks.append(None)
                 continue
             g = p.grad
             made = g is None or (before is not None and before[2] and before[0]() is g)
             if g is None:
-                g = p.grad = torch.zeros_like(p)
+                g = p.grad = _sparse_zero(p) if id(p) in sparse else torch.zeros_like(p)
             marks.append((weakref.ref(g), g._version, made))
         self._marks = marks
         self._failed = None
@@ -120,7 +120,7 @@ class HeldGradients:
             if g._version == mark[1] and mark[0]() is g:
                 kept.append(i)
                 continue
-            if not g.any():
+            if not (g._values() if g.is_sparse else g).any():  # zero_grad(set_to_none=False)
                 drop[i] = 1
                 continue
             name = self._names()[i]
@@ -151,6 +151,12 @@ class HeldGradients:
         self._failed = None
         self._ids = set()
         _holding.discard(self)
+
+
+def _sparse_zero(p: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of ``p`` with no entries, laid out as an embedding's (one sparse dimension)."""
+    return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long, device=p.device),
+                                   p.new_empty((0, *p.shape[1:])), p.shape, check_invariants=False)
 
 
 def refuse_change(what: str) -> UnsupportedError:

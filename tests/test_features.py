@@ -188,6 +188,68 @@ def test_no_sync_transfers_once_and_equals_plain_accumulation(wrap):
         torch.testing.assert_close(p.grad, rp.grad)
 
 
+class SparseBag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 6, sparse=True)
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(ids).mean(1))
+
+
+@pytest.mark.parametrize("make", [SparseBag, lambda: nn.Embedding(30, 6, sparse=True)], ids=["bag", "bare"])
+def test_no_sync_sparse_gradients_accumulate_and_are_dropped_by_zero_grad(wrap, make):
+    """nn.Embedding(sparse=True) under no_sync(). Two silently wrong gradients, against one process:
+    - the held sparse gradient viewed the worker's input shard (its indices) and, where the embedding's
+      output is the model's (``bare``), the output gradient's segment (its values); the next step's shards
+      were placed there, so the held part changed before it was summed. Held sparse gradients now own
+      their memory;
+    - it had no marker on the master, so zero_grad() between micro-batches did not drop it. It now gets a
+      sparse marker with no entries, seen like a dense one.
+    Accumulation with and without clearing, and a step over the held gradients."""
+    torch.manual_seed(0)
+    net = make()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    xs = [torch.randint(0, 30, (8, 5)) for _ in range(3)]
+    emb = net.emb if isinstance(net, SparseBag) else net
+    n = len(list(net.parameters()))
+
+    def dense(g):
+        return g.to_dense() if g.is_sparse else g
+
+    def check(batches, what):
+        ref.zero_grad()
+        for x in batches:
+            ref(x).pow(2).sum().backward()
+        for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(dense(p.grad), dense(rp.grad), msg=lambda m: f"{what}, {name}: {m}")
+
+    for clear in (None, "zero_grad", "zero_grad(set_to_none=False)"):
+        with model.no_sync():
+            model(xs[0]).pow(2).sum().backward()
+        assert emb.weight.grad.is_sparse and emb.weight.grad._nnz() == 0  # the marker
+        if clear == "zero_grad":
+            opt.zero_grad()
+        elif clear is not None:
+            opt.zero_grad(set_to_none=False)
+        with model.no_sync():
+            model(xs[1]).pow(2).sum().backward()
+        model(xs[2]).pow(2).sum().backward()
+        assert emb.weight.grad.is_sparse
+        check(xs if clear is None else xs[1:], clear)
+        opt.zero_grad()
+    with model.no_sync():
+        model(xs[0]).pow(2).sum().backward()
+    with pytest.raises(dpool.UnsupportedError, match=rf"SGD\.step\(\) over {n} parameter\(s\)"):
+        opt.step()
+    model(xs[1]).pow(2).sum().backward()
+    check(xs[:2], "after the refused step")
+    opt.step()
+
+
 def test_no_sync_gradients_are_dropped_by_zero_grad_and_never_stepped_without(wrap):
     """DistributedDataParallel accumulates no_sync() gradients in .grad, so a loop written for it drops
     them with zero_grad() (at an epoch's start, after a skipped batch). dpool holds them on the workers,

@@ -85,6 +85,17 @@ def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     engine.run_backward(tuple(roots), tuple(grads), True, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
+def _own_sparse_grads(params: list[torch.Tensor]) -> None:
+    """Give each sparse ``.grad`` memory of its own. An embedding's sparse gradient views its indices (the
+    input shard, in the ``in`` segment) and the gradient of its output (the ``gout`` segment, when it is the
+    model's output): held across steps under ``no_sync()``, it changed when the coordinator placed the next
+    step's shards there. (Coalescing an uncoalesced tensor makes new indices and values.)"""
+    for p in params:
+        g = p.grad
+        if g is not None and g.is_sparse:
+            p.grad = g.coalesce() if not g.is_coalesced() else g.clone()
+
+
 class _NotSpeculable(Exception):
     """A speculative backward (see ``Replica._speculate``) made sparse gradients: left to the backward round."""
 
@@ -626,6 +637,8 @@ class Replica:
         mask = bytearray(len(self.params))
         sparse: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._holding = hold  # no_sync: gradients stay here, accumulating, until a backward without hold
+        if hold:  # (dense gradients went to the slot; sparse ones stay in .grad)
+            _own_sparse_grads(self.params)
         if not hold:  # what is still in .grad goes to the slot (all of it when no hook copied as it came)
             views, written = self.grad_views, self._written
             copy_to: list[torch.Tensor] = []
