@@ -547,7 +547,8 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
     data = [w.batch(w.global_batch, g) for _ in range(4)]
     modes = ("gathered", "loss")
     pools: dict[tuple[int, str], tuple[Any, torch.optim.Optimizer, Any]] = {}
-    cpu: dict[tuple[int, str, bool], list[float]] = {(n, m, s): [] for n in counts for m in modes for s in (True, False)}
+    cpu: dict[tuple[int, str, bool], list[float]] = {(n, m, s): [] for n in counts for m in modes
+                                                     for s in (True, False)}
     wall: dict[tuple[int, str], list[float]] = {(n, m): [] for n in counts for m in modes}
     bare: dict[tuple[int, str], list[float]] = {(n, k): [] for n in counts for k in ("zmq", "unix")}
     try:
@@ -584,7 +585,7 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
     med = statistics.median
     lines = ["| workers | coordinator CPU ms/step | wall ms/step | CPU ms/step, DPOOL_WAIT_SPIN_US=0 "
              "| loss on the workers: CPU ms/step | wall ms/step | CPU ms/step, DPOOL_WAIT_SPIN_US=0 "
-             "| bare ZeroMQ, 2 rounds: CPU ms | bare AF_UNIX, 2 rounds: CPU ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "| bare ZeroMQ, 2 rounds: CPU ms | bare AF_UNIX, 2 rounds: CPU ms |", "|---" * 9 + "|"]
     lines += ["| " + " | ".join([str(n)] + [f"{med(v) * 1e3:.3f}" for m in modes
                                              for v in (cpu[n, m, True], wall[n, m], cpu[n, m, False])]
                                + [f"{med(bare[n, k]) * 1e3:.3f}" for k in ("zmq", "unix")]) + " |"

@@ -482,7 +482,8 @@ def test_a_sharded_output_used_as_a_tensor_says_what_to_do(wrap):
     model = wrap(net, gather=False)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     out = model(x)
-    advice = r"The dpool model was wrapped with gather=False.*dpool\.criterion\(loss_fn\)\(out, target\).*out\.gather\(\)"
+    advice = (r"The dpool model was wrapped with gather=False.*dpool\.criterion\(loss_fn\)\(out, target\)"
+              r".*out\.gather\(\)")
     for use in (lambda: nn.functional.cross_entropy(out, y), lambda: nn.CrossEntropyLoss()(out, y),
                 lambda: torch.softmax(out, 1)):
         with pytest.raises(TypeError, match=r"\(\) got a ShardedOutput where it takes a tensor\. " + advice):

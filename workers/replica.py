@@ -639,7 +639,7 @@ class Replica:
         self._holding = hold  # no_sync: gradients stay here, accumulating, until a backward without hold
         if hold:  # (dense gradients went to the slot; sparse ones stay in .grad)
             _own_sparse_grads(self.params)
-        if not hold:  # what is still in .grad goes to the slot (all of it when no hook copied as it came)
+        else:  # what is still in .grad goes to the slot (all of it when no hook copied as it came)
             views, written = self.grad_views, self._written
             copy_to: list[torch.Tensor] = []
             copy_from: list[torch.Tensor] = []
