@@ -167,6 +167,12 @@ class _Deferred:
         self.msgs, self.f = msgs, f
 
 
+# How a deferred forward run by another call names itself in its workers' errors: the call that raises is
+# not the model(x) that failed (in one process, model(x) itself would have raised)
+_EARLIER_FORWARD = ("forward of an earlier model(x) call, which with gather=False waited for its loss and ran "
+                    "only now, before this call")
+
+
 class Runtime:
     """Runs a module's forward and backward on a pool of worker processes.
 
@@ -862,13 +868,14 @@ class Runtime:
             self.graphs.release(f.call)
         self.graphs.retell()  # a round cut short may not have told every worker
 
-    def _finish_forward(self, f: "_Forward", replies: dict[int, Any]) -> Any:
+    def _finish_forward(self, f: "_Forward", replies: dict[int, Any], where: str = "forward") -> Any:
         """The rest of a forward once its round's replies are in: fetch outputs that did not fit, build its
         :class:`CallState`, gather (or keep the outputs on the workers), and commit its buffer updates. Its
-        callers run :meth:`_forward_failed` if it raises (a GatherError, a Ctrl-C before the call is tracked)."""
+        callers run :meth:`_forward_failed` if it raises (a GatherError, a Ctrl-C before the call is tracked).
+        ``where`` names the forward in its workers' errors."""
         pool = self.pool
         pool.unlink_segments()
-        self._raise_failures(replies, "forward")
+        self._raise_failures(replies, where)
         self.stats.split_round("forward", pool.sent_at, pool.arrived, replies, f.k)
         fetch = {s: r.need for s, r in replies.items() if r.need}
         if fetch:
@@ -1079,7 +1086,7 @@ class Runtime:
             return
         try:
             self._pending = None
-            self._finish_forward(pending.f, self._request(pending.msgs, "running forward"))
+            self._finish_forward(pending.f, self._request(pending.msgs, "running forward"), _EARLIER_FORWARD)
         except BaseException:
             self._forward_failed(pending.f)
             raise

@@ -889,6 +889,29 @@ class FailsInForward(nn.Module):
         return self.net(x)
 
 
+def test_an_unused_forward_that_fails_names_itself_in_the_next_calls_error(wrap):
+    """With gather=False, a model(x) whose output never gets a loss runs at the next call. If it fails there, the
+    error says it is that earlier forward (the call that raises is fine); the pool trains on, as one process."""
+    torch.manual_seed(0)
+    net = FailsInForward()
+    ref = copy.deepcopy(net)
+    model = wrap(net, gather=False)
+    crit, ce = dpool.criterion(nn.CrossEntropyLoss()), nn.CrossEntropyLoss()
+    bad = torch.randn(8, 4)
+    bad[6, 0] = 1000.0  # shard 1
+    model(bad)  # nothing runs yet, and its output is dropped
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with pytest.raises(ValueError, match=r"forward of an earlier model\(x\) call, which with gather=False waited for "
+                                         r"its loss and ran only now, before this call \(shard 1\) .*forward exploded"
+                       ) as info:
+        model(x)
+    assert info.value.worker == 1
+    crit(model(x), y).backward()
+    ce(ref(x), y).backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_a_forward_goes_to_the_workers_with_its_loss(wrap, monkeypatch):
     """With gather=False, model(x) waits for its loss and the workers get the forward and the loss in one
     request (stats() counts the rounds saved). Against one process, step after step: plain steps, two forwards
