@@ -215,6 +215,7 @@ class Runtime:
         # restart and re-sync; a speculative backward's result is only used while this has not moved.
         self._slot_gen = 0
         self._workers_hold = False  # the workers may hold no_sync gradients (a backward with hold ran since)
+        self._held_k = 0  # ... workers 0.._held_k-1: those with a shard in one of those backwards
         master = self.master  # (not self: a runtime in no cycle goes with its last reference)
         self._held = HeldGradients(lambda: master.param_names)  # what the loop did to them (accumulate.py)
         self._sent_requires_grad = b""
@@ -1278,8 +1279,15 @@ class Runtime:
         msgs: dict[int, P.Message] = {}
         flags = bytes(p.requires_grad for p in self.params)  # accumulate as one process would now
         drop = self._held.cleared(self.params) if self._workers_hold else b""  # (zero_grad() since: dropped)
-        together = pool.together(k)
+        # A backward that ends no_sync() takes every held sum, also of workers without a shard in it (its batch
+        # had fewer rows than an accumulated one): shards k..n-1 only add what they hold (P.HELD_ONLY)
+        n = self._held_k if not hold and self._workers_hold and self._held_k > k else k
+        together = pool.together(n)
         try:
+            for s in range(k, n):
+                sparse = self.io.segment(s, "sparse")
+                msgs[s] = P.Backward(P.HELD_ONLY, pool.step, [None, 0], [], [None, 0], False,
+                                     sparse.ref() if sparse is not None else [None, 0], 0, flags, together, drop)
             for s in range(k):
                 mine = per_shard[s]
                 placer = Placer()
@@ -1298,8 +1306,9 @@ class Runtime:
         holding = hold or self._workers_hold
         if hold:
             self._workers_hold = True
+            self._held_k = max(self._held_k, k)
         # the reducer may start combining while the workers still run (cross-node buckets)
-        slots = [self._grad_slots[s] for s in range(k)]
+        slots = [self._grad_slots[s] for s in range(n)]
         pool.on_bucket = None if hold else self.reducer.begin(slots, call, at)
         try:
             try:
@@ -1312,7 +1321,8 @@ class Runtime:
             self.stats.split_round("backward", pool.sent_at, pool.arrived, replies, k)
             need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}
             if need:  # sparse gradients larger than the sparse segment (or the first ones): grow it, fetch them
-                fetched = self._fetch_round(lambda s, ref: P.FetchSparse(call, ref), "sparse", need,
+                fetched = self._fetch_round(lambda s, ref: P.FetchSparse(call if s < k else P.HELD_ONLY, ref),
+                                            "sparse", need,
                                             "returning sparse gradients", "backward")
                 for s, r in fetched.items():
                     replies[s].sparse = r.sparse
@@ -1335,11 +1345,12 @@ class Runtime:
             self._commit_backward_buffers(changed, k, rows)
             return [None] * len(self.params), replies
         self._workers_hold = False
+        self._held_k = 0
         self._held.release(self.params)
-        param_grads = self.reducer.reduce(slots, [replies[s].param_mask for s in range(k)], at,
-                                          any(replies[s].late for s in range(k)))
+        param_grads = self.reducer.reduce(slots, [replies[s].param_mask for s in range(n)], at,
+                                          any(replies[s].late for s in range(n)))
         self._commit_backward_buffers(changed, k, rows)  # (after the reduce, which may fail across nodes)
-        for s in range(k):
+        for s in range(n):
             seg = self.io.segment(s, "sparse")
             sum_sparse(param_grads, [(i, read(seg.views, imeta), read(seg.views, vmeta))
                                      for i, imeta, vmeta in replies[s].sparse], self.params, self.device)

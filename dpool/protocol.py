@@ -85,6 +85,7 @@ __all__ = [
     "AllReduceDone",
     "BucketReady",
     "TensorMeta",
+    "HELD_ONLY",
     "FetchDone",
     "Serve",
     "ServeDone",
@@ -106,7 +107,8 @@ __all__ = [
     "values_of",
 ]
 
-PROTOCOL_VERSION = 14  # 14: forward_criterion (a deferred forward and its loss in one request)
+PROTOCOL_VERSION = 15  # 15: backward of call HELD_ONLY (the no_sync() gradients of a worker without a shard)
+# 14: forward_criterion (a deferred forward and its loss in one request)
 # 13: end_serve (the daemon ends a serving worker's session when its client detaches);
 # detach names the lease by its attach nonce
 # 12: the envelope carries ``re``, the request a message was sent for
@@ -125,6 +127,10 @@ PROTOCOL_VERSION = 14  # 14: forward_criterion (a deferred forward and its loss 
 #    backward keep_as (higher-order gradients)
 # 4: one op-naming scheme (the daemon's ops too; fetch answered by fetch_done); tensor metas validated
 MAC_SIZE = 32
+# The ``call`` of a :class:`Backward` to a worker that has no shard of the batch (it had fewer rows than there
+# are workers) but holds ``no_sync()`` gradients: those join the backward's sum, and the worker holds none after.
+# Calls are numbered from 1.
+HELD_ONLY = 0
 CONTEXT_LOST = " [CUDA context lost: the worker exits]"
 
 # How long a worker that finished its shard first may wait for the round's other shards before it replies
@@ -414,7 +420,9 @@ class Backward(Message):
     grad at backward time) and puts back its own, those of the latest forward, afterwards.
     ``together``: as :class:`Forward`'s. ``drop``: one byte per parameter (or empty), 1 where the worker
     drops the gradient it holds from earlier ``hold`` backwards first: the training loop cleared the
-    master's (``zero_grad()`` during ``no_sync()``; see ``dpool.accumulate``).
+    master's (``zero_grad()`` during ``no_sync()``; see ``dpool.accumulate``). ``call`` :data:`HELD_ONLY`: the
+    worker has no shard of this backward's batch; it adds the gradients it holds, as a backward of its own
+    would, and backpropagates nothing (``grads``, ``grad_tensors`` and ``input_grads`` are not read).
     """
 
     call: int

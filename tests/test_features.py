@@ -9,6 +9,7 @@ import psutil
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import dpool
 from tests import models
@@ -196,6 +197,62 @@ class SparseBag(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lin(self.emb(ids).mean(1))
+
+
+class DenseAndSparse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 6, sparse=True)
+        self.lin = nn.Linear(6, 3)
+        self.head = nn.Linear(3, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.lin(self.emb(ids).mean(1))))
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "loss_on_workers"])
+def test_no_sync_then_a_batch_with_fewer_rows_than_workers_keeps_every_held_gradient(wrap, gather):
+    """Accumulation whose last micro-batch is small (a dataset's last batch): it has fewer rows than
+    there are workers, so its backward runs on fewer shards than the no_sync() backwards before it.
+    The held sums of the workers without a shard were silently left out of the step and stayed on those
+    workers, to be added to a later step after zero_grad(). They now join the backward that ends the
+    accumulation (Backward of call HELD_ONLY). Dense and sparse gradients, micro-batches of 7, 5, 1 and 2
+    rows on 3 workers, a zero_grad() between micro-batches once, momentum steps against one process."""
+    torch.manual_seed(0)
+    net = DenseAndSparse().double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * 3, gather=gather)
+    crit = dpool.criterion(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    plans = [[7, 1], [7, 5, 2], [2, 1], [5, 7, 1], [1, 7]]  # micro-batch rows; the last one synchronizes
+    for step, rows in enumerate(plans):
+        batches = [(torch.randint(0, 30, (r, 5), generator=g), torch.randint(0, 4, (r,), generator=g)) for r in rows]
+        cleared = step == 3  # zero_grad() after the first micro-batch: it is dropped, here as in one process
+        for i, (x, y) in enumerate(batches):
+            out = model(x)
+            loss = crit(out, y) if not gather else F.cross_entropy(out, y)
+            if i < len(batches) - 1:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            if cleared and i == 0:
+                opt.zero_grad()
+        ref_opt.zero_grad()
+        for x, y in batches[1:] if cleared else batches:
+            F.cross_entropy(ref(x), y).backward()
+        for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+            got, want = p.grad, rp.grad
+            torch.testing.assert_close(got.to_dense() if got.is_sparse else got,
+                                       want.to_dense() if want.is_sparse else want,
+                                       msg=lambda m: f"step {step} (rows {rows}), {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp)
 
 
 @pytest.mark.parametrize("make", [SparseBag, lambda: nn.Embedding(30, 6, sparse=True)], ids=["bag", "bare"])

@@ -165,6 +165,10 @@ class _Call:
         self.n_out = len(outputs)
 
 
+# The call of a backward that only adds the gradients the worker holds (P.HELD_ONLY): no outputs, no leaves.
+_NO_GRAPH = _Call([], [], 0)
+
+
 class Replica:
     """Serves one worker's requests (see :mod:`dpool.protocol`)."""
 
@@ -552,20 +556,23 @@ class Replica:
     def backward(self, msg: P.Backward) -> P.Message:
         self.stage = f"running backward at step {msg.step}"
         t0 = time.monotonic()
-        call = self.calls.get(msg.call)
-        if call is None:
-            raise RuntimeError(
-                "Trying to backward through the graph a second time (or directly access saved tensors after "
-                "they have already been freed). Specify retain_graph=True if you need to backward through "
-                "the graph a second time."
-            )
-        gseg = self._seg("gout", msg.grads)
-        giseg = self._seg("gin", msg.input_grads)
         roots, grads = [], []
-        for t, meta in zip(call.outputs, msg.grad_tensors):
-            if meta is not None and t is not None and t.requires_grad:
-                roots.append(t)
-                grads.append(read(gseg.views, meta))
+        if msg.call == P.HELD_ONLY:  # no shard of this batch: only the gradients held since no_sync() join it
+            call, giseg = _NO_GRAPH, None
+        else:
+            call = self.calls.get(msg.call)
+            if call is None:
+                raise RuntimeError(
+                    "Trying to backward through the graph a second time (or directly access saved tensors after "
+                    "they have already been freed). Specify retain_graph=True if you need to backward through "
+                    "the graph a second time."
+                )
+            gseg = self._seg("gout", msg.grads)
+            giseg = self._seg("gin", msg.input_grads)
+            for t, meta in zip(call.outputs, msg.grad_tensors):
+                if meta is not None and t is not None and t.requires_grad:
+                    roots.append(t)
+                    grads.append(read(gseg.views, meta))
         if msg.drop and self._holding:  # the loop cleared the master's gradients during no_sync()
             for i, flag in enumerate(msg.drop):
                 if flag:
@@ -574,7 +581,7 @@ class Replica:
         versions = self._buffer_versions()
         own = self._backward_flags(msg.requires_grad)
         try:
-            if msg.keep_as:
+            if msg.keep_as and giseg is not None:
                 done = self._backward_create_graph(msg, call, roots, grads, giseg, t0)
             else:
                 done = self._backward(msg.call, call, roots, grads, giseg, msg.input_grads[1], msg.hold, msg.sparse,
@@ -606,7 +613,7 @@ class Replica:
         return before
 
     def _backward(self, call_id: int, call: _Call, roots: list[torch.Tensor], grads: list[torch.Tensor],
-                  giseg: Mapped, gin_size: int, hold: bool, sparse_ref: list, t0: float,
+                  giseg: Mapped | None, gin_size: int, hold: bool, sparse_ref: list, t0: float,
                   speculative: bool = False) -> P.BackwardDone:
         """Backpropagate ``grads`` from ``roots``: parameter gradients into the slot (or held, ``hold``), input
         gradients into ``giseg`` (``gin_size`` bytes). ``speculative`` (a criterion's seed): no bucket reports,
@@ -615,7 +622,7 @@ class Replica:
             for p in self.params:
                 p.grad = None
             self._written = bytearray(len(self.params))
-        report = bool(self._bucket_sizes) and not hold and not self.on_gpu and not speculative
+        report = bool(self._bucket_sizes) and bool(roots) and not hold and not self.on_gpu and not speculative
         if report:  # count each bucket's parameters that take a gradient in this backward
             self._report_call, self._late = call_id, False
             self._fresh = bytearray(len(self.params))
@@ -690,7 +697,7 @@ class Replica:
                 metas.append(None)
                 continue
             off = placer.reserve(leaf.grad)
-            if placer.offset > gin_size:
+            if giseg is None or placer.offset > gin_size:
                 raise RuntimeError("input-gradient segment too small (coordinator bug)")
             metas.append(Placer.write(giseg.views, off, leaf.grad))
             leaf.grad = None
