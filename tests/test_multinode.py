@@ -304,8 +304,11 @@ def test_no_sync_accumulates_then_averages_once(runs):
 
     net = make_net(bn=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    for x, y in batches(4, 8):
+    data = batches(4, 8)
+    for x, y in data[:3]:
         F.mse_loss(net(x), y).backward()
+    x, y = data[3]
+    F.mse_loss(net(x[:2]), y[:2]).backward()  # the synced micro-batch: one row per node, of 2 workers each
     accumulated = state(net)
     opt.step()
     for x, y in batches(4, 8, seed=3):
