@@ -977,7 +977,12 @@ class Runtime:
         msgs: dict[int, P.Criterion] = {}
         for t in tensors:
             if t.dim() > self.dim and t.size(self.dim) != sum(rows):
-                raise DpoolValueError(f"target has {t.size(self.dim)} rows along dim {self.dim}, the output {sum(rows)}")
+                raise DpoolValueError(
+                    f"dpool.criterion: a target has {t.size(self.dim)} rows along dim {self.dim}, but the model's "
+                    f"inputs had {sum(rows)} (shards of {rows} rows). Targets are split over the workers like the "
+                    "inputs, row for row. If the model flattens its output (logits.view(-1, V)), pass the target "
+                    "with one row per input row and flatten it in the loss (a subclass of the loss, as in "
+                    "docs/features.md), or compute the loss on out.gather().")
         shards = _scatter.shard_views(tensors, [rows if t.dim() > self.dim else None for t in tensors], k, self.dim)
         if pending is None:
             dtype = self._loss_dtype(state.metas)

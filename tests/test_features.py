@@ -529,6 +529,39 @@ def test_loss_on_the_workers_equals_full_batch(wrap, loss_fn):
         torch.testing.assert_close(p.grad, rp.grad)
 
 
+class FlatLM(nn.Module):
+    """A language model that returns its logits flattened, (batch * positions, vocabulary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.out = nn.Linear(6, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids)).view(-1, 10)
+
+
+class FlatTargets(nn.CrossEntropyLoss):
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return super().forward(logits, target.reshape(-1))
+
+
+def test_a_model_that_flattens_its_output_gets_targets_split_like_its_inputs(wrap):
+    """Targets are split like the inputs, row for row. A flattened target (one row per output row) once
+    raised "target has 24 rows along dim 0, the output 8", though the output has 24 rows: the error now
+    says the inputs had 8 and what to do; the unflattened target, flattened in the loss, trains like one
+    process."""
+    torch.manual_seed(0)
+    net = FlatLM().double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, gather=False)
+    ids, y = torch.randint(0, 10, (8, 3)), torch.randint(0, 10, (8, 3))
+    with pytest.raises(dpool.DpoolValueError, match=r"24 rows along dim 0, but the model's inputs had 8 \(shards "
+                       r"of \[4, 4\] rows\)(.|\n)*one row per input row and flatten it in the loss"):
+        dpool.criterion(nn.CrossEntropyLoss())(model(ids), y.view(-1))
+    _same_loss_and_gradients(dpool.criterion(FlatTargets())(model(ids), y), FlatTargets()(ref(ids), y), net, ref)
+
+
 def test_a_sharded_output_used_as_a_tensor_says_what_to_do(wrap):
     """With gather=False the model returns a ShardedOutput. Passing it to a torch function (the usual loss on
     the gathered output) or using a tensor's attribute on it says why it is not a tensor and what to do; the
