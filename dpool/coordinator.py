@@ -215,7 +215,6 @@ class Runtime:
         # restart and re-sync; a speculative backward's result is only used while this has not moved.
         self._slot_gen = 0
         self._workers_hold = False  # the workers may hold no_sync gradients (a backward with hold ran since)
-        self._held_k = 0  # ... workers 0.._held_k-1: those with a shard in one of those backwards
         master = self.master  # (not self: a runtime in no cycle goes with its last reference)
         self._held = HeldGradients(lambda: master.param_names)  # what the loop did to them (accumulate.py)
         self._sent_requires_grad = b""
@@ -1285,8 +1284,9 @@ class Runtime:
         flags = bytes(p.requires_grad for p in self.params)  # accumulate as one process would now
         drop = self._held.cleared(self.params) if self._workers_hold else b""  # (zero_grad() since: dropped)
         # A backward that ends no_sync() takes every held sum, also of workers without a shard in it (its batch
-        # had fewer rows than an accumulated one): shards k..n-1 only add what they hold (P.HELD_ONLY)
-        n = self._held_k if not hold and self._workers_hold and self._held_k > k else k
+        # had fewer rows than an accumulated one): workers k..n-1 only add what they hold (P.HELD_ONLY; one that
+        # holds nothing adds zeros)
+        n = self.n if not hold and self._workers_hold and k < self.n else k
         together = pool.together(n)
         try:
             for s in range(k, n):
@@ -1311,7 +1311,6 @@ class Runtime:
         holding = hold or self._workers_hold
         if hold:
             self._workers_hold = True
-            self._held_k = max(self._held_k, k)
         # the reducer may start combining while the workers still run (cross-node buckets)
         slots = [self._grad_slots[s] for s in range(n)]
         pool.on_bucket = None if hold else self.reducer.begin(slots, call, at)
@@ -1350,7 +1349,6 @@ class Runtime:
             self._commit_backward_buffers(changed, k, rows)
             return [None] * len(self.params), replies
         self._workers_hold = False
-        self._held_k = 0
         self._held.release(self.params)
         param_grads = self.reducer.reduce(slots, [replies[s].param_mask for s in range(n)], at,
                                           any(replies[s].late for s in range(n)))
