@@ -1283,15 +1283,15 @@ class Runtime:
         msgs: dict[int, P.Message] = {}
         flags = bytes(p.requires_grad for p in self.params)  # accumulate as one process would now
         drop = self._held.cleared(self.params) if self._workers_hold else b""  # (zero_grad() since: dropped)
-        # A backward that ends no_sync() takes every held sum, also of workers without a shard in it (its batch
-        # had fewer rows than an accumulated one): workers k..n-1 only add what they hold (P.HELD_ONLY; one that
-        # holds nothing adds zeros)
-        n = self.n if not hold and self._workers_hold and k < self.n else k
+        # Workers without a shard in this backward (its batch had fewer rows than an earlier one of no_sync()) may
+        # hold gradients: the backward that ends no_sync() takes their sums too, and one after a zero_grad() has
+        # them drop what was cleared. They backpropagate nothing (P.HELD_ONLY); one that holds nothing adds zeros.
+        n = self.n if self._workers_hold and k < self.n and (not hold or any(drop)) else k
         together = pool.together(n)
         try:
             for s in range(k, n):
                 sparse = self.io.segment(s, "sparse")
-                msgs[s] = P.Backward(P.HELD_ONLY, pool.step, [None, 0], [], [None, 0], False,
+                msgs[s] = P.Backward(P.HELD_ONLY, pool.step, [None, 0], [], [None, 0], hold,
                                      sparse.ref() if sparse is not None else [None, 0], 0, flags, together, drop)
             for s in range(k):
                 mine = per_shard[s]

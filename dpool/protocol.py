@@ -128,8 +128,8 @@ PROTOCOL_VERSION = 15  # 15: backward of call HELD_ONLY (the no_sync() gradients
 # 4: one op-naming scheme (the daemon's ops too; fetch answered by fetch_done); tensor metas validated
 MAC_SIZE = 32
 # The ``call`` of a :class:`Backward` to a worker that has no shard of the batch (it had fewer rows than there
-# are workers) but holds ``no_sync()`` gradients: those join the backward's sum, and the worker holds none after.
-# Calls are numbered from 1.
+# are workers) but may hold ``no_sync()`` gradients: it drops those ``drop`` names, then, unless ``hold``, adds the
+# rest to the backward's sum and holds none after. Calls are numbered from 1.
 HELD_ONLY = 0
 CONTEXT_LOST = " [CUDA context lost: the worker exits]"
 
@@ -421,8 +421,9 @@ class Backward(Message):
     ``together``: as :class:`Forward`'s. ``drop``: one byte per parameter (or empty), 1 where the worker
     drops the gradient it holds from earlier ``hold`` backwards first: the training loop cleared the
     master's (``zero_grad()`` during ``no_sync()``; see ``dpool.accumulate``). ``call`` :data:`HELD_ONLY`: the
-    worker has no shard of this backward's batch; it adds the gradients it holds, as a backward of its own
-    would, and backpropagates nothing (``grads``, ``grad_tensors`` and ``input_grads`` are not read).
+    worker has no shard of this backward's batch; it drops and (unless ``hold``) adds the gradients it holds,
+    as a backward of its own would, and backpropagates nothing (``grads``, ``grad_tensors`` and
+    ``input_grads`` are not read).
     """
 
     call: int

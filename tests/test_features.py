@@ -215,9 +215,11 @@ def test_no_sync_then_a_batch_with_fewer_rows_than_workers_keeps_every_held_grad
     """Accumulation whose last micro-batch is small (a dataset's last batch): it has fewer rows than
     there are workers, so its backward runs on fewer shards than the no_sync() backwards before it.
     The held sums of the workers without a shard were silently left out of the step and stayed on those
-    workers, to be added to a later step after zero_grad(). They now join the backward that ends the
-    accumulation (Backward of call HELD_ONLY). Dense and sparse gradients, micro-batches of 7, 5, 1 and 2
-    rows on 3 workers, a zero_grad() between micro-batches once, momentum steps against one process."""
+    workers, to be added to a later step after zero_grad(); and a zero_grad() between micro-batches reached
+    only the workers with a shard in the next one, so the others kept what it cleared. Workers without a
+    shard now take part in those backwards without backpropagating (Backward of call HELD_ONLY). Dense and
+    sparse gradients, micro-batches of 7, 5, 2 and 1 rows on 3 workers, zero_grad() between micro-batches
+    (before a larger and before a smaller one), momentum steps against one process."""
     torch.manual_seed(0)
     net = DenseAndSparse().double()
     ref = copy.deepcopy(net)
@@ -226,10 +228,10 @@ def test_no_sync_then_a_batch_with_fewer_rows_than_workers_keeps_every_held_grad
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
-    plans = [[7, 1], [7, 5, 2], [2, 1], [5, 7, 1], [1, 7]]  # micro-batch rows; the last one synchronizes
+    plans = [[7, 1], [7, 5, 2], [2, 1], [5, 7, 1], [1, 7], [7, 1, 2]]  # micro-batch rows; the last synchronizes
     for step, rows in enumerate(plans):
         batches = [(torch.randint(0, 30, (r, 5), generator=g), torch.randint(0, 4, (r,), generator=g)) for r in rows]
-        cleared = step == 3  # zero_grad() after the first micro-batch: it is dropped, here as in one process
+        cleared = step in (3, 5)  # zero_grad() after the first micro-batch: it is dropped, here as in one process
         for i, (x, y) in enumerate(batches):
             out = model(x)
             loss = crit(out, y) if not gather else F.cross_entropy(out, y)
