@@ -257,6 +257,39 @@ def test_no_sync_then_a_batch_with_fewer_rows_than_workers_keeps_every_held_grad
         torch.testing.assert_close(p, rp)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")  # torch's advice, both sides
+@pytest.mark.parametrize("rows", [[8, 8], [8, 1]], ids=["same_rows", "fewer_rows_than_workers"])
+def test_no_sync_then_a_create_graph_backward_adds_the_held_gradients(wrap, rows):
+    """Accumulation whose last backward builds the gradients' graph (a gradient penalty on the accumulated
+    .grad). The create_graph backward wrote its gradients over the held sums, so they were silently lost,
+    and the workers went on holding, so the next plain step added to stale slots. Now the held sums are
+    added, as one process adds to .grad, and the penalty's backward differentiates the new part only.
+    Three steps of accumulate, penalty and a plain step, against one process."""
+    torch.manual_seed(0)
+    net = models.MLP(d_out=4).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    opts = [torch.optim.SGD(net.parameters(), lr=1e-3), torch.optim.SGD(ref.parameters(), lr=1e-3)]
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        first, last = (torch.randn(r, 12, generator=g, dtype=torch.float64) for r in rows)
+        for mod, params, opt in ((model, list(net.parameters()), opts[0]), (ref, list(ref.parameters()), opts[1])):
+            opt.zero_grad()
+            if mod is model:
+                with model.no_sync():
+                    mod(first).pow(2).sum().backward()
+            else:
+                mod(first).pow(2).sum().backward()
+            mod(last).pow(2).sum().backward(create_graph=True)
+            sum(p.grad.pow(2).sum() for p in params).backward()
+            opt.step()
+            opt.zero_grad()
+            mod(first).sum().backward()
+            opt.step()
+        for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, rp, msg=lambda m: f"step {step}, {name}: {m}")
+
+
 @pytest.mark.parametrize("make", [SparseBag, lambda: nn.Embedding(30, 6, sparse=True)], ids=["bag", "bare"])
 def test_no_sync_sparse_gradients_accumulate_and_are_dropped_by_zero_grad(wrap, make):
     """nn.Embedding(sparse=True) under no_sync(). Two silently wrong gradients, against one process:

@@ -725,6 +725,21 @@ class Replica:
                                                        create_graph=True, allow_unused=True))
             finally:
                 _set_collective(None)
+        # no_sync() sums: in .grad, or in the slot where a hook took them (self._written). Into the slot, and
+        # these gradients add to them, as one process adds to .grad.
+        held = self._written if self._holding else bytearray(len(self.params))
+        if self._holding:
+            for i, p in enumerate(self.params):
+                g, p.grad = p.grad, None
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError("dpool does not support create_graph=True after no_sync() with sparse "
+                                       "gradients")
+                self.grad_views[i].add_(g) if held[i] else self.grad_views[i].copy_(g)
+                held[i] = 1
+        self._holding = False
+        self._written = bytearray(len(self.params))
         mask = bytearray(len(self.params))
         k = 0
         for i, p in enumerate(self.params):
@@ -732,10 +747,14 @@ class Replica:
                 continue
             r = results[k]
             k += 1
-            if r is None:
-                self.grad_views[i].zero_()
-            elif r.is_sparse:
+            if r is not None and r.is_sparse:
                 raise RuntimeError("dpool does not support create_graph=True with sparse gradients")
+            if held[i]:
+                if r is not None:
+                    self.grad_views[i].add_(r.detach())
+                mask[i] = 1
+            elif r is None:
+                self.grad_views[i].zero_()
             else:
                 self.grad_views[i].copy_(r.detach())
                 mask[i] = 1
