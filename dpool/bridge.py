@@ -80,6 +80,24 @@ def enter_backward(ctx: Any) -> None:
         ctx.saved_tensors
 
 
+def accumulates(ctx: Any, n: int) -> list[bool | None]:
+    """In a Function's backward: for each of its last ``n`` inputs (the master's parameters), whether this
+    backward accumulates into its ``.grad``: ``False`` where ``backward(inputs=...)`` leaves it out or
+    ``torch.autograd.grad`` runs, ``None`` where ``torch.autograd.grad`` takes its gradient.
+
+    Under ``no_sync()`` the workers add to the gradients they hold, so they must add only what one process
+    would add to ``.grad`` (``Runtime.backward``)."""
+    nodes = ctx.next_functions
+    will = getattr(torch._C, "_will_engine_execute_node", None)
+    out: list[bool | None] = []
+    for node, _ in nodes[len(nodes) - n:] if n else ():
+        try:
+            out.append(node is not None and (will is None or bool(will(node))))
+        except RuntimeError:  # "a leaf node ... running autograd.grad()": it takes this leaf's gradient
+            out.append(None)
+    return out
+
+
 def leave_backward(ctx: Any) -> bool:
     """In a Function's backward, at its end: True if this backward frees the graph (no ``retain_graph``)."""
     if _keeps_graph():
@@ -338,7 +356,9 @@ class Bridge(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         enter_backward(ctx)
         state: CallState = ctx.state
-        grads_out = state.runtime.backward(state, grads, None, ctx.param_idx)
+        runtime = state.runtime
+        taken = accumulates(ctx, len(ctx.param_idx)) if runtime.no_sync else None
+        grads_out = runtime.backward(state, grads, None, ctx.param_idx, taken)
         if leave_backward(ctx):  # autograd frees the node as this returns: the workers may free their graphs
             state.runtime.graphs.spent(state.call)
         return (None, None, *grads_out)

@@ -1185,22 +1185,25 @@ class Runtime:
     @_one_call_at_a_time
     def backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
                  pieces: list[list[torch.Tensor | None]] | None = None,
-                 param_idx: Sequence[int] = ()) -> list[torch.Tensor | None]:
+                 param_idx: Sequence[int] = (), taken: Sequence[bool | None] | None = None
+                 ) -> list[torch.Tensor | None]:
         """Backpropagate on the workers. ``pieces``: per shard, gradients by worker output index
         (given directly for losses computed on the workers); otherwise sliced from ``grads``.
         ``param_idx``: the parameters (by index) the calling autograd Function took as inputs, whose
         gradients are returned after the input gradients (``None`` for one that no longer requires grad).
+        ``taken``: under ``no_sync()``, per ``param_idx`` entry, whether autograd accumulates into its
+        ``.grad`` in this backward (see :func:`dpool.bridge.accumulates`); the workers hold only those.
 
         Under ``create_graph=True`` (autograd runs this with grad mode on) the gradients returned are
         differentiable: see :class:`dpool.bridge.DoubleBridge`.
         """
         if self.nodes is not None and not self.no_sync:
             return self._synced(lambda: self._backward(state, grads, pieces, param_idx))
-        return self._backward(state, grads, pieces, param_idx)
+        return self._backward(state, grads, pieces, param_idx, taken)
 
     def _backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
                   pieces: list[list[torch.Tensor | None]] | None,
-                  param_idx: Sequence[int]) -> list[torch.Tensor | None]:
+                  param_idx: Sequence[int], taken: Sequence[bool | None] | None = None) -> list[torch.Tensor | None]:
         pool = self.pool
         self._check_usable()
         if self.graphs.lost(state.call):
@@ -1218,6 +1221,14 @@ class Runtime:
                 "higher-order gradients (create_graph=True) through a dpool model are supported for gathered "
                 "outputs outside no_sync() only; compute this term on dpool.unwrap(model)"
             )
+        skip: list[int] = []  # under no_sync(): parameters this backward does not accumulate into
+        if self.no_sync and taken is not None:
+            if any(t is None for t in taken):
+                raise UnsupportedError(
+                    "torch.autograd.grad of a dpool model's parameters inside model.no_sync() is not supported: "
+                    "there the workers keep the gradients, accumulating, and return none. Call it outside "
+                    "no_sync(), or on dpool.unwrap(model); gradients of the inputs only are fine.")
+            skip = [i for i, t in zip(param_idx, taken) if not t]
         self.graphs.collect(self.io.release, take=False)  # frees their input spans; told with the next forward
         per_shard = pieces if pieces is not None else state.grad_pieces(grads)
         keep = 0
@@ -1226,7 +1237,7 @@ class Runtime:
         if self.nodes is not None:
             self.nodes.step = pool.step
         param_grads, replies = self._backward_round(state.call, state.k, per_shard, state.gin_sizes, keep,
-                                                    self.no_sync, rows=state.rows, at=state.fseq)
+                                                    self.no_sync, rows=state.rows, at=state.fseq, skip=skip)
         input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
         out = input_grads + [param_grads[i] for i in param_idx]
         if not create_graph:
@@ -1277,11 +1288,15 @@ class Runtime:
             "forward again after the change. (A change through .data is not tracked, here as in one process.)")
 
     def _backward_round(self, call: int, k: int, per_shard: list[list[torch.Tensor | None]], gin_sizes: list[int],
-                        keep: int, hold: bool, rows: list[int] | None = None, at: int = -1) -> tuple[list, dict]:
-        """One backward round on ``k`` shards of ``call``: the summed parameter gradients and the replies."""
+                        keep: int, hold: bool, rows: list[int] | None = None, at: int = -1,
+                        skip: Sequence[int] = ()) -> tuple[list, dict]:
+        """One backward round on ``k`` shards of ``call``: the summed parameter gradients and the replies.
+        ``skip``: parameters the workers backpropagate as frozen (autograd does not accumulate into them)."""
         pool = self.pool
         msgs: dict[int, P.Message] = {}
         flags = bytes(p.requires_grad for p in self.params)  # accumulate as one process would now
+        if skip:
+            flags = bytes(0 if i in skip else f for i, f in enumerate(flags))
         drop = self._held.cleared(self.params) if self._workers_hold else b""  # (zero_grad() since: dropped)
         # Workers without a shard in this backward (its batch had fewer rows than an earlier one of no_sync()) may
         # hold gradients: the backward that ends no_sync() takes their sums too, and one after a zero_grad() has

@@ -33,7 +33,7 @@ import cloudpickle
 import torch
 
 from . import gather as _gather
-from .bridge import enter_backward, leave_backward, track_release
+from .bridge import accumulates, enter_backward, leave_backward, track_release
 from .errors import DpoolValueError, UnsupportedError
 from .tensors import to_bytes
 
@@ -204,7 +204,8 @@ class LossBridge(torch.autograd.Function):
             pieces = [[None] * (idx + 1) for idx in box.indices]
             for s, idx in enumerate(box.indices):
                 pieces[s][idx] = seed
-            done = box.runtime.backward(box.state, (), pieces, box.param_idx)
+            taken = accumulates(ctx, len(box.param_idx)) if box.runtime.no_sync else None
+            done = box.runtime.backward(box.state, (), pieces, box.param_idx, taken)
         leave_backward(ctx)
         return (None, *done)
 

@@ -257,6 +257,51 @@ def test_no_sync_then_a_batch_with_fewer_rows_than_workers_keeps_every_held_grad
         torch.testing.assert_close(p, rp)
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "loss_on_workers"])
+def test_no_sync_holds_only_what_one_process_accumulates(wrap, gather):
+    """Inside no_sync(), backward(inputs=[x]), backward(inputs=[some parameters]) and torch.autograd.grad of
+    the inputs (an adversarial example's gradient) accumulate nothing, or only those parameters, into .grad
+    in one process; the workers added every parameter's gradient to what they hold, silently. They now hold
+    only what autograd accumulates. torch.autograd.grad of the parameters there is refused (the workers
+    return no gradient under no_sync()), and the accumulation goes on. Against one process."""
+    torch.manual_seed(0)
+    net = models.MLP(d_out=4).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * 3, gather=gather)
+    crit = dpool.criterion(nn.CrossEntropyLoss())
+    g = torch.Generator().manual_seed(1)
+
+    def loss(mod, x, y):
+        out = mod(x)
+        return crit(out, y) if isinstance(out, dpool.ShardedOutput) else F.cross_entropy(out, y)
+
+    def micro_batches(mod, params, batches):
+        (x0, y0), (x1, y1), (x2, y2), (x3, y3), (x4, y4) = batches
+        x1, x3 = x1.clone().requires_grad_(), x3.clone().requires_grad_()
+        loss(mod, x0, y0).backward()
+        loss(mod, x1, y1).backward(inputs=[x1])
+        loss(mod, x2, y2).backward(inputs=[params[0], params[3]])
+        gx, = torch.autograd.grad(loss(mod, x3, y3), [x3])
+        return [x1.grad, gx, x4, y4]
+
+    for step in range(2):
+        batches = [(torch.randn(r, 12, generator=g, dtype=torch.float64), torch.randint(0, 4, (r,), generator=g))
+                   for r in (7, 5, 6, 4, 2)]
+        with model.no_sync():
+            got = micro_batches(model, list(net.parameters()), batches)
+            with pytest.raises(dpool.UnsupportedError, match=r"torch\.autograd\.grad of a dpool model's parameters "
+                               r"inside model\.no_sync\(\)"):
+                torch.autograd.grad(loss(model, *batches[0]), list(net.parameters()))
+        want = micro_batches(ref, list(ref.parameters()), batches)
+        for a, b in zip(got[:2], want[:2]):
+            torch.testing.assert_close(a, b)
+        loss(model, *got[2:]).backward()  # 2 rows on 3 workers: the held sums of the third join it too
+        loss(ref, *want[2:]).backward()
+        for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"step {step}, {name}: {m}")
+            p.grad, rp.grad = None, None
+
+
 @pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")  # torch's advice, both sides
 @pytest.mark.parametrize("rows", [[8, 8], [8, 1]], ids=["same_rows", "fewer_rows_than_workers"])
 def test_no_sync_then_a_create_graph_backward_adds_the_held_gradients(wrap, rows):
