@@ -23,6 +23,8 @@ both, and were silently added to the next synchronized backward after a ``zero_g
   cleared before the restart needs nothing more.
 * ``optimizer.step()`` over a parameter with a held gradient raises (a global optimizer pre-hook,
   registered at the first held backward) instead of stepping without it.
+* A parameter frozen (``requires_grad_(False)``) while its held gradient is kept raises at the next
+  forward or backward: the workers bring only the gradients of parameters that require grad.
 * Sparse gradients (``nn.Embedding(sparse=True)``) get a sparse marker with no entries (a dense zero
   would make their sum dense), seen the same way.
 
@@ -137,6 +139,25 @@ class HeldGradients:
                 f"accumulation of the backwards that succeeded. Call optimizer.zero_grad() (or "
                 f"model.zero_grad()) to drop them, then accumulate again.")
         return bytes(drop) if any(drop) else b""
+
+    def refuse_frozen(self, params: Sequence[torch.Tensor]) -> None:
+        """Raise if a parameter whose held gradient the loop kept (its marker untouched) no longer requires
+        grad: one process keeps that ``.grad``, but the workers bring only the gradients of parameters that
+        require grad to it (and zero a frozen parameter's slot at the next forward)."""
+        if self._marks is None:
+            return
+        frozen = []
+        for name, p, mark in zip(self._names(), params, self._marks):
+            g = p.grad
+            if mark is not None and not p.requires_grad and g is not None and g._version == mark[1] and mark[0]() is g:
+                frozen.append(name)
+        if frozen:
+            raise UnsupportedError(
+                f"{len(frozen)} parameter(s) ({', '.join(repr(n) for n in frozen[:3])}"
+                f"{', ...' if len(frozen) > 3 else ''}) stopped requiring grad while model.no_sync() holds their "
+                f"accumulated gradients on dpool's workers, which cannot bring those to .grad any more. Freeze "
+                f"parameters between optimizer steps (after the backward outside no_sync()), or drop the held "
+                f"gradients first (optimizer.zero_grad()).")
 
     def release(self, params: Sequence[torch.Tensor]) -> None:
         """The held gradients are about to reach the master (a backward outside ``no_sync()``), or the pool

@@ -774,6 +774,8 @@ class Runtime:
         training = bytes(m.training for m in self.master.modules)
         requires_grad = bytes(p.requires_grad for p in self.params)
         if requires_grad != self._sent_requires_grad:  # the workers zero the slots of newly frozen parameters
+            if self._workers_hold:
+                self._held.refuse_frozen(self.params)
             self._slot_gen += 1
             self._sent_requires_grad = requires_grad
         autocast = None
@@ -1297,7 +1299,10 @@ class Runtime:
         flags = bytes(p.requires_grad for p in self.params)  # accumulate as one process would now
         if skip:
             flags = bytes(0 if i in skip else f for i, f in enumerate(flags))
-        drop = self._held.cleared(self.params) if self._workers_hold else b""  # (zero_grad() since: dropped)
+        drop = b""
+        if self._workers_hold:
+            drop = self._held.cleared(self.params)  # (zero_grad() since: dropped)
+            self._held.refuse_frozen(self.params)
         # Workers without a shard in this backward (its batch had fewer rows than an earlier one of no_sync()) may
         # hold gradients: the backward that ends no_sync() takes their sums too, and one after a zero_grad() has
         # them drop what was cleared. They backpropagate nothing (P.HELD_ONLY); one that holds nothing adds zeros.

@@ -257,6 +257,51 @@ def test_no_sync_then_a_batch_with_fewer_rows_than_workers_keeps_every_held_grad
         torch.testing.assert_close(p, rp)
 
 
+def test_a_parameter_frozen_while_no_sync_holds_its_gradient_is_refused(wrap):
+    """A parameter frozen between micro-batches, or before the backward that ends no_sync(), keeps its
+    accumulated .grad in one process; the workers bring only the gradients of parameters that require
+    grad, so it got None, silently. That is now an UnsupportedError at the next forward or backward, the
+    accumulation goes on once it is undone, and freezing after zero_grad() (nothing held) is fine."""
+    torch.manual_seed(0)
+    net = models.MLP(d_out=4).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(6, 12, generator=g, dtype=torch.float64) for _ in range(4)]
+    w = net.net[0].weight
+    refused = r"1 parameter\(s\) \('net\.0\.weight'\) stopped requiring grad while model\.no_sync\(\) holds"
+    with model.no_sync():
+        model(xs[0]).pow(2).sum().backward()
+        w.requires_grad_(False)
+        with pytest.raises(dpool.UnsupportedError, match=refused):
+            model(xs[1])
+        w.requires_grad_(True)
+        model(xs[1]).pow(2).sum().backward()
+    out = model(xs[2])
+    w.requires_grad_(False)
+    with pytest.raises(dpool.UnsupportedError, match=refused):
+        out.pow(2).sum().backward()
+    w.requires_grad_(True)
+    model(xs[2]).pow(2).sum().backward()
+    for x in xs[:3]:
+        ref(x).pow(2).sum().backward()
+    for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"{name}: {m}")
+    net.zero_grad()
+    ref.zero_grad()
+    with model.no_sync():
+        model(xs[3]).pow(2).sum().backward()
+    net.zero_grad()  # the held gradients dropped: freezing is fine now
+    w.requires_grad_(False)
+    ref.net[0].weight.requires_grad_(False)
+    model(xs[0]).pow(2).sum().backward()
+    ref(xs[0]).pow(2).sum().backward()
+    for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (rp.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("gather", [True, False], ids=["gathered", "loss_on_workers"])
 def test_no_sync_holds_only_what_one_process_accumulates(wrap, gather):
     """Inside no_sync(), backward(inputs=[x]), backward(inputs=[some parameters]) and torch.autograd.grad of
