@@ -736,8 +736,11 @@ class Replica:
                 if g.is_sparse:
                     raise RuntimeError("dpool does not support create_graph=True after no_sync() with sparse "
                                        "gradients")
-                self.grad_views[i].add_(g) if held[i] else self.grad_views[i].copy_(g)
-                held[i] = 1
+                if held[i]:
+                    self.grad_views[i].add_(g)
+                else:
+                    self.grad_views[i].copy_(g)
+                    held[i] = 1
         self._holding = False
         self._written = bytearray(len(self.params))
         mask = bytearray(len(self.params))
