@@ -23,6 +23,11 @@ both, and were silently added to the next synchronized backward after a ``zero_g
   cleared before the restart needs nothing more.
 * ``optimizer.step()`` over a parameter with a held gradient raises (a global optimizer pre-hook,
   registered at the first held backward) instead of stepping without it.
+* Autograd may add to a marker: a term of the loss computed on the master's parameters outside the
+  model's forward (an L2 penalty written by hand, a weight tied to a head outside the model). That is
+  accumulation, which the held sums join at the end, as in one process: hooks on the parameters see
+  each such accumulation (a tensor hook before it, a post-accumulate hook after it) and take the
+  result as the new marker. Any other change of a marker (scaling, clipping) is still refused.
 * A parameter frozen (``requires_grad_(False)``) while its held gradient is kept raises at the next
   forward or backward: the workers bring only the gradients of parameters that require grad.
 * Sparse gradients (``nn.Embedding(sparse=True)``) get a sparse marker with no entries (a dense zero
@@ -58,6 +63,8 @@ class HeldGradients:
         self._marks: list[tuple[weakref.ref, int, bool] | None] | None = None  # (marker, version, made by us)
         self._ids: set[int] = set()
         self._sparse: set[int] = set()  # parameters with sparse gradients: a sparse marker
+        self._hooks: list[Any] = []  # while holding: the hooks that follow autograd's accumulation into markers
+        self._pending: dict[int, int] = {}  # parameter -> its intact marker's version, as autograd adds to it
         self._failed: str | None = None  # why the held sums are no accumulation (see failed() and lost())
 
     def mark(self, module: torch.nn.Module, params: Sequence[torch.Tensor], flags: bytes) -> None:
@@ -81,6 +88,8 @@ class HeldGradients:
         self._marks = marks
         self._failed = None
         self._ids = {id(p) for p, m in zip(params, marks) if m is not None}
+        if not self._hooks:  # (an accumulation starts)
+            self._follow_accumulation(params)
         _holding.add(self)
         if not _hooked:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -140,6 +149,14 @@ class HeldGradients:
                 f"model.zero_grad()) to drop them, then accumulate again.")
         return bytes(drop) if any(drop) else b""
 
+    def _follow_accumulation(self, params: Sequence[torch.Tensor]) -> None:
+        """Hooks on the parameters: autograd's accumulation into an intact marker gives the new marker."""
+        me = weakref.ref(self)
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                self._hooks += [p.register_hook(_before_accumulation(me, weakref.ref(p), i)),
+                                p.register_post_accumulate_grad_hook(_after_accumulation(me, i))]
+
     def refuse_frozen(self, params: Sequence[torch.Tensor]) -> None:
         """Raise if a parameter whose held gradient the loop kept (its marker untouched) no longer requires
         grad: one process keeps that ``.grad``, but the workers bring only the gradients of parameters that
@@ -171,7 +188,44 @@ class HeldGradients:
         self._marks = None
         self._failed = None
         self._ids = set()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._pending = {}
         _holding.discard(self)
+
+
+def _before_accumulation(held: weakref.ref, param: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
+    """A tensor hook of parameter ``i``: runs before autograd adds to its ``.grad``; notes an intact marker."""
+
+    def hook(grad: torch.Tensor) -> None:
+        me, p = held(), param()
+        if me is None or p is None or me._marks is None:
+            return
+        mark, g = me._marks[i], p.grad
+        if mark is not None and g is not None and g._version == mark[1] and mark[0]() is g:
+            me._pending[i] = g._version
+
+    return hook
+
+
+def _after_accumulation(held: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate hook of parameter ``i``: an intact marker plus autograd's gradient is the new marker
+    (in place: one version more; or a new tensor, the old one untouched)."""
+
+    def hook(p: torch.Tensor) -> None:
+        me = held()
+        if me is None or me._marks is None:
+            return
+        version = me._pending.pop(i, None)
+        mark, g = me._marks[i], p.grad
+        if version is None or mark is None or g is None:
+            return
+        old = mark[0]()
+        if (g._version == version + 1) if g is old else (old is None or old._version == version):
+            me._marks[i] = (weakref.ref(g), g._version, False)
+
+    return hook
 
 
 def _sparse_zero(p: torch.Tensor) -> torch.Tensor:

@@ -257,6 +257,52 @@ def test_no_sync_then_a_batch_with_fewer_rows_than_workers_keeps_every_held_grad
         torch.testing.assert_close(p, rp)
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "loss_on_workers"])
+def test_no_sync_with_loss_terms_on_the_masters_parameters(wrap, gather):
+    """A loss term computed on the master's parameters outside the model's forward (an L2 penalty by hand,
+    a head that reuses a weight) makes autograd add to the zero markers during no_sync(). That was refused
+    as a gradient "changed (not cleared)", where one process and DDP just accumulate. Such accumulation
+    now becomes the new marker; scaling a gradient there is still refused. Three steps with a zero_grad()
+    between micro-batches once and a last micro-batch smaller than the worker count, against one process."""
+    torch.manual_seed(0)
+    net = models.MLP(d_out=4).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu"] * 3, gather=gather)
+    crit = dpool.criterion(nn.CrossEntropyLoss())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, ref)]
+    g = torch.Generator().manual_seed(1)
+
+    def loss(mod, params, x, y):
+        out = mod(x)
+        main = crit(out, y) if isinstance(out, dpool.ShardedOutput) else F.cross_entropy(out, y)
+        tied = F.linear(x, params[0]).pow(2).mean()  # the first layer's weight, used outside the model
+        return main + 1e-2 * sum(p.pow(2).sum() for p in params) + 1e-3 * tied
+
+    for step in range(3):
+        batches = [(torch.randn(r, 12, generator=g, dtype=torch.float64), torch.randint(0, 4, (r,), generator=g))
+                   for r in (7, 5, 2)]
+        for mod, params, opt in ((model, list(net.parameters()), opts[0]), (ref, list(ref.parameters()), opts[1])):
+            opt.zero_grad()
+            for i, (x, y) in enumerate(batches):
+                if mod is model and i < len(batches) - 1:
+                    with model.no_sync():
+                        loss(mod, params, x, y).backward()
+                else:
+                    loss(mod, params, x, y).backward()
+                if step == 1 and i == 0:
+                    opt.zero_grad()
+            opt.step()
+        for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, rp, msg=lambda m: f"step {step}, {name}: {m}")
+    opts[0].zero_grad()
+    params = list(net.parameters())
+    with model.no_sync():
+        loss(model, params, *batches[0]).backward()
+        params[0].grad.mul_(0.5)  # not an accumulation: the held part cannot be scaled alike
+        with pytest.raises(dpool.UnsupportedError, match="was changed \\(not cleared\\) while model.no_sync"):
+            loss(model, params, *batches[1]).backward()
+
+
 def test_a_parameter_frozen_while_no_sync_holds_its_gradient_is_refused(wrap):
     """A parameter frozen between micro-batches, or before the backward that ends no_sync(), keeps its
     accumulated .grad in one process; the workers bring only the gradients of parameters that require
