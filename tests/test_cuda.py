@@ -267,6 +267,48 @@ def test_loss_on_workers_no_sync_and_worker_states(wrap):
     assert devices == [("cuda:0", "0"), ("cuda:0", "0")]
 
 
+@pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")  # torch's advice, both sides
+def test_no_sync_small_micro_batches_zero_grad_and_create_graph_on_gpu_workers(wrap):
+    """no_sync() on GPU workers, whose held gradients live in the slot (the post-accumulate hook), not in
+    .grad: a last micro-batch of 1 row (one worker's shard; the other only adds what it holds), a
+    zero_grad() before a 1-row micro-batch, and a create_graph=True backward that ends the accumulation,
+    each against one process (session 37's fixes, written for CPU workers)."""
+    torch.manual_seed(5)
+    net = MLP(d_out=4).to(DEV)
+    ref = copy.deepcopy(net)
+    model = wrap(net, IDS)
+    xs = [torch.randn(r, 12, device=DEV) for r in (8, 1, 8, 1, 8)]
+
+    def check(what):
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"{what}, {name}: {m}")
+        net.zero_grad()
+        ref.zero_grad()
+
+    with model.no_sync():
+        model(xs[0]).pow(2).sum().backward()
+    model(xs[1]).pow(2).sum().backward()
+    for x in xs[:2]:
+        ref(x).pow(2).sum().backward()
+    check("a last micro-batch of 1 row")
+    with model.no_sync():
+        model(xs[2]).pow(2).sum().backward()
+        net.zero_grad()
+        model(xs[3]).pow(2).sum().backward()
+    model(xs[4]).pow(2).sum().backward()
+    for x in xs[3:]:
+        ref(x).pow(2).sum().backward()
+    check("zero_grad() before a micro-batch of 1 row")
+    with model.no_sync():
+        model(xs[0]).pow(2).sum().backward()
+    model(xs[2]).pow(2).sum().backward(create_graph=True)
+    ref(xs[0]).pow(2).sum().backward()  # (held: no graph, in one process as on the workers)
+    ref(xs[2]).pow(2).sum().backward(create_graph=True)
+    for m in (net, ref):
+        sum(p.grad.pow(2).sum() for p in m.parameters()).backward()
+    check("a create_graph backward ending the accumulation, and a penalty on its gradients")
+
+
 class _GpuDropout(nn.Module):
     def __init__(self) -> None:
         super().__init__()
