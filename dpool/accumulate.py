@@ -128,7 +128,7 @@ class HeldGradients:
             if g is None:
                 drop[i] = 1
                 continue
-            if g._version == mark[1] and mark[0]() is g:
+            if _intact(mark, g):
                 kept.append(i)
                 continue
             if not (g._values() if g.is_sparse else g).any():  # zero_grad(set_to_none=False)
@@ -165,8 +165,7 @@ class HeldGradients:
             return
         frozen = []
         for name, p, mark in zip(self._names(), params, self._marks):
-            g = p.grad
-            if mark is not None and not p.requires_grad and g is not None and g._version == mark[1] and mark[0]() is g:
+            if not p.requires_grad and _intact(mark, p.grad):
                 frozen.append(name)
         if frozen:
             raise UnsupportedError(
@@ -182,8 +181,7 @@ class HeldGradients:
         gradient, if any: a parameter that gets none keeps ``None``, as in one process, which optimizers
         skip)."""
         for p, mark in zip(params, self._marks or ()):
-            g = p.grad
-            if mark is not None and mark[2] and g is not None and g._version == mark[1] and mark[0]() is g:
+            if mark is not None and mark[2] and _intact(mark, p.grad):
                 p.grad = None
         self._marks = None
         self._failed = None
@@ -195,6 +193,11 @@ class HeldGradients:
         _holding.discard(self)
 
 
+def _intact(mark: tuple[weakref.ref, int, bool] | None, g: torch.Tensor | None) -> bool:
+    """Whether ``g`` (a parameter's ``.grad``) is still the marker ``mark``, unchanged since it was made."""
+    return mark is not None and g is not None and g._version == mark[1] and mark[0]() is g
+
+
 def _before_accumulation(held: weakref.ref, param: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
     """A tensor hook of parameter ``i``: runs before autograd adds to its ``.grad``; notes an intact marker."""
 
@@ -203,7 +206,7 @@ def _before_accumulation(held: weakref.ref, param: weakref.ref, i: int) -> Calla
         if me is None or p is None or me._marks is None:
             return
         mark, g = me._marks[i], p.grad
-        if mark is not None and g is not None and g._version == mark[1] and mark[0]() is g:
+        if _intact(mark, g):
             me._pending[i] = g._version
 
     return hook

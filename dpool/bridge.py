@@ -360,7 +360,7 @@ class Bridge(torch.autograd.Function):
         taken = accumulates(ctx, len(ctx.param_idx)) if runtime.no_sync else None
         grads_out = runtime.backward(state, grads, None, ctx.param_idx, taken)
         if leave_backward(ctx):  # autograd frees the node as this returns: the workers may free their graphs
-            state.runtime.graphs.spent(state.call)
+            runtime.graphs.spent(state.call)
         return (None, None, *grads_out)
 
 
