@@ -32,6 +32,13 @@ both, and were silently added to the next synchronized backward after a ``zero_g
   forward or backward: the workers bring only the gradients of parameters that require grad.
 * Sparse gradients (``nn.Embedding(sparse=True)``) get a sparse marker with no entries (a dense zero
   would make their sum dense), seen the same way.
+* Hooks the loop put on the master's parameters (``p.register_hook``: clipping a gradient elementwise,
+  logging its norm; ``p.register_post_accumulate_grad_hook``: an optimizer step in the backward) see each
+  backward's gradient in one process, and one of a held sum would see it once, summed: a clamp gives
+  other numbers, and a held backward called them with ``None``. So while such a hook is registered,
+  ``no_sync()`` holds nothing: every backward brings its gradients to ``.grad`` through autograd, as
+  outside the context (:func:`hooked`). A hook registered while the workers hold a gradient of its
+  parameter raises at the next backward (one process ran it on the later micro-batches only).
 
 A model changed after ``wrap()`` cannot be shipped to the workers while they hold gradients (the new
 replicas would start without them): :func:`refuse_change` says so.
@@ -45,7 +52,7 @@ import torch
 
 from .errors import UnsupportedError
 
-__all__ = ["HeldGradients", "refuse_change"]
+__all__ = ["HeldGradients", "hooked", "refuse_change"]
 
 _holding: weakref.WeakSet[HeldGradients] = weakref.WeakSet()
 _hooked = False
@@ -157,6 +164,25 @@ class HeldGradients:
                 self._hooks += [p.register_hook(_before_accumulation(me, weakref.ref(p), i)),
                                 p.register_post_accumulate_grad_hook(_after_accumulation(me, i))]
 
+    def own_hooks(self) -> set[int]:
+        """The ids of the hooks this object registered on the parameters (see :func:`hooked`)."""
+        return {h.id for h in self._hooks}
+
+    def refuse_hooked(self, params: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
+        """Raise if a parameter of ``indices`` (hooked since the workers started holding) has a held
+        gradient the loop kept: one process ran the hook on the later micro-batches only, and the held sum
+        would pass through it."""
+        if self._marks is None:
+            return
+        names = [self._names()[i] for i in indices if _intact(self._marks[i], params[i].grad)]
+        if names:
+            raise UnsupportedError(
+                f"a hook was registered on {len(names)} parameter(s) ({', '.join(repr(n) for n in names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}) while model.no_sync() held their accumulated gradients on "
+                f"dpool's workers: one process ran it on the later micro-batches' gradients only, and here the "
+                f"held sum would pass through it too. Register parameter hooks before the accumulation (with "
+                f"them, no_sync() holds nothing), or drop the held gradients first (optimizer.zero_grad()).")
+
     def refuse_frozen(self, params: Sequence[torch.Tensor]) -> None:
         """Raise if a parameter whose held gradient the loop kept (its marker untouched) no longer requires
         grad: one process keeps that ``.grad``, but the workers bring only the gradients of parameters that
@@ -191,6 +217,18 @@ class HeldGradients:
         self._hooks = []
         self._pending = {}
         _holding.discard(self)
+
+
+def hooked(params: Sequence[torch.Tensor], own: set[int]) -> list[int]:
+    """The indices of the parameters with a tensor hook or a post-accumulate-grad hook whose id is not in
+    ``own`` (the loop's: dpool's own follow the accumulation, see :meth:`HeldGradients.own_hooks`)."""
+    out = []
+    for i, p in enumerate(params):
+        for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
+            if hooks and any(k not in own for k in hooks):
+                out.append(i)
+                break
+    return out
 
 
 def _intact(mark: tuple[weakref.ref, int, bool] | None, g: torch.Tensor | None) -> bool:

@@ -47,7 +47,7 @@ import torch.autograd.forward_ad as _fwad
 
 from . import gather as _gather, patches as _patches, scatter as _scatter, tree as _tree
 from . import protocol as P
-from .accumulate import HeldGradients, refuse_change
+from .accumulate import HeldGradients, hooked, refuse_change
 from .bridge import Bridge, CallState, DoubleBridge, DoubleState, Graphs, _user_stacklevel
 from .buffers import BufferCommit
 from .config import Config
@@ -1199,13 +1199,32 @@ class Runtime:
         Under ``create_graph=True`` (autograd runs this with grad mode on) the gradients returned are
         differentiable: see :class:`dpool.bridge.DoubleBridge`.
         """
+        hold = self.holds()
         if self.nodes is not None and not self.no_sync:
-            return self._synced(lambda: self._backward(state, grads, pieces, param_idx))
-        return self._backward(state, grads, pieces, param_idx, taken)
+            return self._synced(lambda: self._backward(state, grads, pieces, param_idx, None, False))
+        return self._backward(state, grads, pieces, param_idx, taken, hold)
+
+    def holds(self) -> bool:
+        """Whether a backward now keeps its parameter gradients on the workers: under ``no_sync()``, unless
+        a hook of the loop's is registered on a master parameter, which must see each backward's gradient
+        as in one process (see ``dpool/accumulate.py``). Raises if one was registered while the workers hold
+        its parameter's gradient."""
+        if not (self.no_sync or self._workers_hold):
+            return False
+        with_hooks = hooked(self.params, self._held.own_hooks())
+        if with_hooks and self._workers_hold:
+            self._held.refuse_hooked(self.params, with_hooks)
+        if with_hooks and self.no_sync and self.nodes is not None:
+            raise UnsupportedError(
+                "model.no_sync() in cross-node mode with hooks on the model's parameters (p.register_hook or "
+                "p.register_post_accumulate_grad_hook): one process runs them on each micro-batch's gradient, "
+                "which only a synchronized backward has. Call the backward outside no_sync(), or remove the hooks.")
+        return self.no_sync and not with_hooks
 
     def _backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
                   pieces: list[list[torch.Tensor | None]] | None,
-                  param_idx: Sequence[int], taken: Sequence[bool | None] | None = None) -> list[torch.Tensor | None]:
+                  param_idx: Sequence[int], taken: Sequence[bool | None] | None = None,
+                  hold: bool = False) -> list[torch.Tensor | None]:
         pool = self.pool
         self._check_usable()
         if self.graphs.lost(state.call):
@@ -1218,13 +1237,13 @@ class Runtime:
         if create_graph and self.nodes is not None:
             raise UnsupportedError("higher-order gradients (create_graph=True) are not combined across nodes; "
                                    "compute this term on dpool.unwrap(model), or pass process_group=None")
-        if create_graph and (pieces is not None or self.no_sync):
+        if create_graph and (pieces is not None or hold):
             raise UnsupportedError(
                 "higher-order gradients (create_graph=True) through a dpool model are supported for gathered "
                 "outputs outside no_sync() only; compute this term on dpool.unwrap(model)"
             )
         skip: list[int] = []  # under no_sync(): parameters this backward does not accumulate into
-        if self.no_sync and taken is not None:
+        if hold and taken is not None:
             if any(t is None for t in taken):
                 raise UnsupportedError(
                     "torch.autograd.grad of a dpool model's parameters inside model.no_sync() is not supported: "
@@ -1239,7 +1258,7 @@ class Runtime:
         if self.nodes is not None:
             self.nodes.step = pool.step
         param_grads, replies = self._backward_round(state.call, state.k, per_shard, state.gin_sizes, keep,
-                                                    self.no_sync, rows=state.rows, at=state.fseq, skip=skip)
+                                                    hold, rows=state.rows, at=state.fseq, skip=skip)
         input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
         out = input_grads + [param_grads[i] for i in param_idx]
         if not create_graph:

@@ -212,7 +212,10 @@ class DataParallel(nn.DataParallel):
         held gradient has a zero ``.grad`` there. As with DDP, whose ``.grad``
         holds them, ``zero_grad()`` in between drops the held gradients, and an
         optimizer step over them raises ``UnsupportedError`` (see
-        ``dpool/accumulate.py``).
+        ``dpool/accumulate.py``). While a hook is registered on a master
+        parameter (``register_hook``, ``register_post_accumulate_grad_hook``),
+        nothing is held: each backward reduces as outside the context, so the
+        hook sees every micro-batch's gradient, as in one process.
         """
         rt = self._runtime
         if rt is None:

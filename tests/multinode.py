@@ -231,6 +231,15 @@ def accumulate(rank: int, world: int, p: dict) -> dict:
     sl = rows_of(rank, world, B)
     nodes = model._nodes
     before = nodes.collectives
+    # a hook on a parameter needs each micro-batch's gradient, which only a synced backward has: refused
+    hook = next(net.parameters()).register_hook(lambda g: g.clamp(-1, 1))
+    with model.no_sync():
+        try:
+            F.mse_loss(model(data[0][0][sl]), data[0][1][sl]).backward()
+            hooked = "no error"
+        except dpool.UnsupportedError as exc:
+            hooked = str(exc)
+    hook.remove()
     with model.no_sync():
         for x, y in data[:micro]:
             F.mse_loss(model(x[sl]), y[sl]).backward()
@@ -273,7 +282,7 @@ def accumulate(rank: int, world: int, p: dict) -> dict:
     # closes it: the exit must still be clean (code 0: dpool ends its threads at exit) and take the
     # workers with it (the runner waits for the pipes they inherited)
     _OPEN_AT_EXIT.append(model2)
-    return {"inside": inside, "threads_left": left}
+    return {"inside": inside, "threads_left": left, "hooked": hooked}
 
 
 _OPEN_AT_EXIT: list = []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import time
 
@@ -301,6 +302,94 @@ def test_no_sync_with_loss_terms_on_the_masters_parameters(wrap, gather):
         params[0].grad.mul_(0.5)  # not an accumulation: the held part cannot be scaled alike
         with pytest.raises(dpool.UnsupportedError, match="was changed \\(not cleared\\) while model.no_sync"):
             loss(model, params, *batches[1]).backward()
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "loss_on_workers"])
+def test_no_sync_with_hooks_on_the_masters_parameters_equals_one_process(wrap, gather):
+    """Hooks on the master's parameters see each backward's gradient in one process: a tensor hook that
+    clamps it, a post-accumulate hook that clamps the sum in place, an optimizer step in the backward.
+    Under no_sync() a held backward called them with None (a hook's `g.clamp` raised), and the backward
+    that ended it ran them once on the held sum: other numbers. With such hooks no_sync() now holds
+    nothing, so the numbers are one process's, hook calls included. A hook registered while the workers
+    hold its parameter's gradient is refused at the next backward; after zero_grad() it is fine."""
+    torch.manual_seed(0)
+    net = models.MLP(d_out=4).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, gather=gather)
+    crit = dpool.criterion(nn.MSELoss(reduction="sum"))
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(r, 12, generator=g, dtype=torch.float64) for r in (6, 5, 1, 6)]
+
+    def loss(mod, x):
+        out = mod(x)
+        target = torch.zeros(len(x), 4, dtype=torch.float64)
+        return crit(out, target) if isinstance(out, dpool.ShardedOutput) else (out - target).pow(2).sum()
+
+    def accumulate(mod, batches):
+        for i, x in enumerate(batches):
+            if mod is model and i < len(batches) - 1:
+                with model.no_sync():
+                    loss(mod, x).backward()
+            else:
+                loss(mod, x).backward()
+
+    calls: dict = {net: {}, ref: {}}  # per parameter, what each call of its hook saw (autograd's order of
+    handles = []                      # the parameters may differ: dpool's backward returns them all at once)
+    for m in (net, ref):
+        for i, p in enumerate(m.parameters()):
+            seen = calls[m][i] = []
+            if i % 2:
+                hook = functools.partial(lambda seen, g: (seen.append(g.norm()), g.clamp(-0.3, 0.3))[1], seen)
+                handles.append(p.register_hook(hook))
+            else:
+                hook = functools.partial(lambda seen, q: seen.append(q.grad.clamp_(-0.2, 0.2).norm()), seen)
+                handles.append(p.register_post_accumulate_grad_hook(hook))
+    for m in (model, ref):
+        accumulate(m, xs[:3])
+    for i, seen in calls[ref].items():
+        assert len(seen) == len(calls[net][i]) == 3
+        torch.testing.assert_close(torch.stack(calls[net][i]), torch.stack(seen))
+    for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"clamping hooks, {name}: {m}")
+    for h in handles:
+        h.remove()
+
+    # an optimizer step in the backward, per parameter (torch's "optimizer in backward" recipe)
+    for m in (net, ref):
+        m.zero_grad(set_to_none=True)
+        opts = {p: torch.optim.SGD([p], lr=0.05, momentum=0.9) for p in m.parameters()}
+
+        def step(q, opts=opts):
+            opts[q].step()
+            opts[q].zero_grad()
+
+        handles += [p.register_post_accumulate_grad_hook(step) for p in m.parameters()]
+    for _ in range(2):
+        for m in (model, ref):
+            accumulate(m, xs[:3])
+    for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, rp, msg=lambda m: f"optimizer in the backward, {name}: {m}")
+    for h in handles:
+        h.remove()
+
+    # a hook registered while the workers hold its parameter's gradient
+    net.zero_grad()
+    w = net.net[0].weight
+    with model.no_sync():
+        loss(model, xs[0]).backward()
+    h = w.register_hook(lambda g: g * 2)
+    with pytest.raises(dpool.UnsupportedError, match=r"hook was registered on 1 parameter\(s\) \('net\.0\.weight'\) "
+                                                     r"while model\.no_sync\(\) held"):
+        loss(model, xs[1]).backward()
+    net.zero_grad()  # drops the held gradients: the hook is fine now
+    ref.zero_grad()
+    rh = ref.net[0].weight.register_hook(lambda g: g * 2)
+    for m in (model, ref):
+        accumulate(m, xs[1:])
+    h.remove()
+    rh.remove()
+    for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad, msg=lambda m: f"a hook after zero_grad(), {name}: {m}")
 
 
 def test_a_parameter_frozen_while_no_sync_holds_its_gradient_is_refused(wrap):
