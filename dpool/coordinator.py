@@ -240,6 +240,7 @@ class Runtime:
         self._warned_global_hooks = False
         self._warned_attributes: set[str] = set()
         self._warned_relaid: set[str] = set()
+        self._warned_hooks: set[str] = set()  # parameters whose hooks were called without a gradient
         if attach is not None and max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
         # Where the coordinator has no core of its own, rounds of several shards ask the workers to reply
@@ -432,6 +433,33 @@ class Runtime:
                 "dpool.wrap() (module.to(memory_format=...)); the values are followed, but in shared memory "
                 "(the master's and the workers') a parameter keeps the layout it had at wrap(), and a buffer is "
                 "row-major. Convert the module before dpool.wrap(): its parameters keep channels_last then.",
+                stacklevel=_user_stacklevel())
+
+    def _warn_hooks_without_gradient(self, param_grads: Sequence[torch.Tensor | None],
+                                     param_idx: Sequence[int]) -> None:
+        """Say once per parameter that its hooks will be called although it got no gradient: the master's
+        parameters are inputs of dpool's autograd node, so autograd runs the accumulation of each of them,
+        and calls their hooks (a tensor hook with ``None``), where one process, whose graph never reached an
+        unused parameter, calls none. Which parameters the workers' graphs reach is known only now."""
+        new: list[str] = []
+        for i in param_idx:
+            if param_grads[i] is not None:
+                continue
+            p = self.params[i]
+            if not (p._backward_hooks or p._post_accumulate_grad_hooks):
+                continue
+            name = self.master.param_names[i]
+            if name not in self._warned_hooks and hooked([p], self._held.own_hooks()):
+                new.append(name)
+        if new:
+            self._warned_hooks.update(new)
+            more = f" and {len(new) - 3} more" if len(new) > 3 else ""
+            warnings.warn(
+                f"dpool: parameter{'s' * (len(new) > 1)} {', '.join(map(repr, new[:3]))}{more} got no gradient in "
+                f"this backward (no shard's forward used {'them' if len(new) > 1 else 'it'}), but autograd still "
+                f"calls their hooks: a tensor hook (p.register_hook) with None, and a post-accumulate hook with the "
+                f".grad it has. One process would not call them. Let such a hook return early on None (`if grad is "
+                f"None: return`), or on `p.grad is None`.",
                 stacklevel=_user_stacklevel())
 
     def _warn_attributes(self, names: set[str]) -> None:
@@ -1155,6 +1183,7 @@ class Runtime:
         self.stats.no_round("backward")
         self.balancer.observe(1, busy, state.rows)
         input_grads = state.input_grads([r.input_grads for r in replies])
+        self._warn_hooks_without_gradient(param_grads, param_idx)
         return input_grads + [param_grads[i] for i in param_idx]
 
     @_one_call_at_a_time
@@ -1260,6 +1289,8 @@ class Runtime:
         param_grads, replies = self._backward_round(state.call, state.k, per_shard, state.gin_sizes, keep,
                                                     hold, rows=state.rows, at=state.fseq, skip=skip)
         input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
+        if not hold:
+            self._warn_hooks_without_gradient(param_grads, param_idx)
         out = input_grads + [param_grads[i] for i in param_idx]
         if not create_graph:
             return out

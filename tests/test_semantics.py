@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import os
 import resource
+import warnings
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
 
@@ -298,8 +299,24 @@ def test_unused_parameter_grad_is_none(wrap):
 
     net = Partial()
     model = wrap(net)
-    model(torch.randn(4, 3)).sum().backward()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(torch.randn(4, 3)).sum().backward()
     assert net.unused.weight.grad is None and net.used.weight.grad is not None
+    assert not [w for w in seen if "got no gradient" in str(w.message)]  # no hooks: nothing to say
+    # Hooks: autograd calls an unused parameter's hooks too (the master's parameters are inputs of dpool's
+    # autograd node), where one process calls none. dpool cannot stop that, so it says so, once.
+    calls = []
+    net.unused.weight.register_hook(lambda g: calls.append(("unused", g)))
+    net.used.weight.register_hook(lambda g: calls.append(("used", g)))
+    with pytest.warns(UserWarning, match=r"parameter 'unused\.weight' got no gradient in this backward .* hooks"):
+        model(torch.randn(4, 3)).sum().backward()
+    assert net.unused.weight.grad is None
+    assert sorted((n, g is None) for n, g in calls) == [("unused", True), ("used", False)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(torch.randn(4, 3)).sum().backward()
+    assert not [w for w in seen if "got no gradient" in str(w.message)]  # once per parameter
 
 
 def test_state_dict_prefix_and_interop(wrap):
