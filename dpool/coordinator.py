@@ -441,16 +441,11 @@ class Runtime:
         parameters are inputs of dpool's autograd node, so autograd runs the accumulation of each of them,
         and calls their hooks (a tensor hook with ``None``), where one process, whose graph never reached an
         unused parameter, calls none. Which parameters the workers' graphs reach is known only now."""
-        new: list[str] = []
-        for i in param_idx:
-            if param_grads[i] is not None:
-                continue
-            p = self.params[i]
-            if not (p._backward_hooks or p._post_accumulate_grad_hooks):
-                continue
-            name = self.master.param_names[i]
-            if name not in self._warned_hooks and hooked([p], self._held.own_hooks()):
-                new.append(name)
+        names = self.master.param_names
+        bare = [i for i in param_idx if param_grads[i] is None and names[i] not in self._warned_hooks]
+        if not bare:
+            return
+        new = [names[bare[j]] for j in hooked([self.params[i] for i in bare], self._held.own_hooks())]
         if new:
             self._warned_hooks.update(new)
             more = f" and {len(new) - 3} more" if len(new) > 3 else ""
