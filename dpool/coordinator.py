@@ -437,25 +437,45 @@ class Runtime:
 
     def _warn_hooks_without_gradient(self, param_grads: Sequence[torch.Tensor | None],
                                      param_idx: Sequence[int]) -> None:
-        """Say once per parameter that its hooks will be called although it got no gradient: the master's
+        """Say once per parameter that its hooks were called although it got no gradient: the master's
         parameters are inputs of dpool's autograd node, so autograd runs the accumulation of each of them,
         and calls their hooks (a tensor hook with ``None``), where one process, whose graph never reached an
-        unused parameter, calls none. Which parameters the workers' graphs reach is known only now."""
+        unused parameter, calls none. Which parameters the workers' graphs reach is known only now.
+
+        Another path of the same backward may still bring such a parameter a gradient (a second forward of
+        the model in one loss, a loss term on the parameter itself): autograd sums what reaches it, and its
+        hooks see that sum. So the check ends with the backward: a parameter whose ``.grad`` is still the
+        same tensor at the same version got nothing, and its hooks saw ``None``."""
         names = self.master.param_names
         bare = [i for i in param_idx if param_grads[i] is None and names[i] not in self._warned_hooks]
         if not bare:
             return
-        new = [names[bare[j]] for j in hooked([self.params[i] for i in bare], self._held.own_hooks())]
-        if new:
-            self._warned_hooks.update(new)
-            more = f" and {len(new) - 3} more" if len(new) > 3 else ""
-            warnings.warn(
-                f"dpool: parameter{'s' * (len(new) > 1)} {', '.join(map(repr, new[:3]))}{more} got no gradient in "
-                f"this backward (no shard's forward used {'them' if len(new) > 1 else 'it'}), but autograd still "
-                f"calls their hooks: a tensor hook (p.register_hook) with None, and a post-accumulate hook with the "
-                f".grad it has. One process would not call them. Let such a hook return early on None (`if grad is "
-                f"None: return`), or on `p.grad is None`.",
-                stacklevel=_user_stacklevel())
+        hooks = [bare[j] for j in hooked([self.params[i] for i in bare], self._held.own_hooks())]
+        if not hooks:
+            return
+        before = [(i, g, None if g is None else g._version) for i in hooks for g in (self.params[i].grad,)]
+
+        def at_the_end() -> None:
+            got_none = [names[i] for i, g, v in before if names[i] not in self._warned_hooks
+                        and self.params[i].grad is g and (g is None or g._version == v)]
+            if got_none:
+                self._say_hooks_without_gradient(got_none)
+
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(at_the_end)  # type: ignore[attr-defined]
+        except RuntimeError:  # not inside autograd's backward (no such caller today): decide now
+            self._say_hooks_without_gradient([names[i] for i in hooks])
+
+    def _say_hooks_without_gradient(self, new: list[str]) -> None:
+        self._warned_hooks.update(new)
+        more = f" and {len(new) - 3} more" if len(new) > 3 else ""
+        warnings.warn(
+            f"dpool: parameter{'s' * (len(new) > 1)} {', '.join(map(repr, new[:3]))}{more} got no gradient in "
+            f"this backward (no shard's forward used {'them' if len(new) > 1 else 'it'}), but autograd still "
+            f"called their hooks: a tensor hook (p.register_hook) with None, and a post-accumulate hook with the "
+            f".grad it has. One process would not call them. Let such a hook return early on None (`if grad is "
+            f"None: return`), or on `p.grad is None`.",
+            stacklevel=_user_stacklevel())
 
     def _warn_attributes(self, names: set[str]) -> None:
         """Say once per attribute that a forward set it to a tensor that requires grad on the workers only

@@ -294,8 +294,8 @@ def test_unused_parameter_grad_is_none(wrap):
             self.used = nn.Linear(3, 3)
             self.unused = nn.Linear(3, 3)
 
-        def forward(self, x):
-            return self.used(x)
+        def forward(self, x, both=False):
+            return self.used(x) + self.unused(x) if both else self.used(x)
 
     net = Partial()
     model = wrap(net)
@@ -309,6 +309,19 @@ def test_unused_parameter_grad_is_none(wrap):
     calls = []
     net.unused.weight.register_hook(lambda g: calls.append(("unused", g)))
     net.used.weight.register_hook(lambda g: calls.append(("used", g)))
+    # ... unless another path of the same backward brings it a gradient: autograd sums what reaches a
+    # parameter and calls its hooks once, with the sum, as one process does (two forwards in one loss, a
+    # siamese network; a loss term on the parameter itself). Nothing to say then.
+    x = torch.randn(4, 3)
+    for loss in (lambda: (model(x) + model(x, both=True)).sum(), lambda: model(x).sum() + net.unused.weight.sum()):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loss().backward()
+        assert not [w for w in seen if "got no gradient" in str(w.message)]
+        assert [n for n, g in calls if g is None] == [] and net.unused.weight.grad is not None
+        assert sorted(n for n, _ in calls) == ["unused", "used"]
+        calls.clear()
+        net.zero_grad()
     with pytest.warns(UserWarning, match=r"parameter 'unused\.weight' got no gradient in this backward .* hooks"):
         model(torch.randn(4, 3)).sum().backward()
     assert net.unused.weight.grad is None
