@@ -473,8 +473,10 @@ class Runtime:
             f"dpool: parameter{'s' * (len(new) > 1)} {', '.join(map(repr, new[:3]))}{more} got no gradient in "
             f"this backward (no shard's forward used {'them' if len(new) > 1 else 'it'}), but autograd still "
             f"called their hooks: a tensor hook (p.register_hook) with None, and a post-accumulate hook with the "
-            f".grad it has. One process would not call them. Let such a hook return early on None (`if grad is "
-            f"None: return`), or on `p.grad is None`.",
+            f".grad it has (while accumulating, the earlier micro-batches' sum: a hook that changes it changes it "
+            f"again). One process would not call them. Let a tensor hook return early on None (`if grad is None: "
+            f"return`); have a post-accumulate hook that changes .grad return early unless its tensor hook saw a "
+            f"gradient.",
             stacklevel=_user_stacklevel())
 
     def _warn_attributes(self, names: set[str]) -> None:
