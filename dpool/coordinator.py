@@ -45,7 +45,7 @@ import cloudpickle
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from . import gather as _gather, patches as _patches, scatter as _scatter, tree as _tree
+from . import gather as _gather, hook_gate, patches as _patches, scatter as _scatter, tree as _tree
 from . import protocol as P
 from .accumulate import HeldGradients, hooked, refuse_change
 from .bridge import Bridge, CallState, DoubleBridge, DoubleState, Graphs, _user_stacklevel
@@ -435,49 +435,29 @@ class Runtime:
                 "row-major. Convert the module before dpool.wrap(): its parameters keep channels_last then.",
                 stacklevel=_user_stacklevel())
 
-    def _warn_hooks_without_gradient(self, param_grads: Sequence[torch.Tensor | None],
-                                     param_idx: Sequence[int]) -> None:
-        """Say once per parameter that its hooks were called although it got no gradient: the master's
-        parameters are inputs of dpool's autograd node, so autograd runs the accumulation of each of them,
-        and calls their hooks (a tensor hook with ``None``), where one process, whose graph never reached an
-        unused parameter, calls none. Which parameters the workers' graphs reach is known only now.
-
-        Another path of the same backward may still bring such a parameter a gradient (a second forward of
-        the model in one loss, a loss term on the parameter itself): autograd sums what reaches it, and its
-        hooks see that sum. So the check ends with the backward: a parameter whose ``.grad`` is still the
-        same tensor at the same version got nothing, and its hooks saw ``None``."""
-        names = self.master.param_names
-        bare = [i for i in param_idx if param_grads[i] is None and names[i] not in self._warned_hooks]
+    def _gate_hooks(self, param_grads: Sequence[torch.Tensor | None], param_idx: Sequence[int]) -> None:
+        """Keep autograd from calling the hooks of the parameters this backward brought no gradient (no
+        shard used them), as one process does not (see dpool/hook_gate.py). Which parameters the workers'
+        graphs reached is known only now."""
+        bare = [i for i in param_idx if param_grads[i] is None]
         if not bare:
             return
-        hooks = [bare[j] for j in hooked([self.params[i] for i in bare], self._held.own_hooks())]
-        if not hooks:
+        own = self._held.own_hooks()
+        hooks = [bare[j] for j in hooked([self.params[i] for i in bare], own)]
+        if not hooks or hook_gate.gate([self.params[i] for i in hooks], own.__contains__):
             return
-        before = [(i, g, None if g is None else g._version) for i in hooks for g in (self.params[i].grad,)]
-
-        def at_the_end() -> None:
-            got_none = [names[i] for i, g, v in before if names[i] not in self._warned_hooks
-                        and self.params[i].grad is g and (g is None or g._version == v)]
-            if got_none:
-                self._say_hooks_without_gradient(got_none)
-
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(at_the_end)  # type: ignore[attr-defined]
-        except RuntimeError:  # not inside autograd's backward (no such caller today): decide now
-            self._say_hooks_without_gradient([names[i] for i in hooks])
-
-    def _say_hooks_without_gradient(self, new: list[str]) -> None:
-        self._warned_hooks.update(new)
-        more = f" and {len(new) - 3} more" if len(new) > 3 else ""
-        warnings.warn(
-            f"dpool: parameter{'s' * (len(new) > 1)} {', '.join(map(repr, new[:3]))}{more} got no gradient in "
-            f"this backward (no shard's forward used {'them' if len(new) > 1 else 'it'}), but autograd still "
-            f"called their hooks: a tensor hook (p.register_hook) with None, and a post-accumulate hook with the "
-            f".grad it has (while accumulating, the earlier micro-batches' sum: a hook that changes it changes it "
-            f"again). One process would not call them. Let a tensor hook return early on None (`if grad is None: "
-            f"return`); have a post-accumulate hook that changes .grad return early unless its tensor hook saw a "
-            f"gradient.",
-            stacklevel=_user_stacklevel())
+        new = [n for n in (self.master.param_names[i] for i in hooks) if n not in self._warned_hooks]
+        if new:  # a torch without _current_graph_task_id: the hooks run; say so, once per parameter
+            self._warned_hooks.update(new)
+            more = f" and {len(new) - 3} more" if len(new) > 3 else ""
+            warnings.warn(
+                f"dpool: parameter{'s' * (len(new) > 1)} {', '.join(map(repr, new[:3]))}{more} got no gradient "
+                f"in this backward (no shard's forward used {'them' if len(new) > 1 else 'it'}), but autograd "
+                f"calls their hooks: a tensor hook (p.register_hook) with None, a post-accumulate hook with the "
+                f".grad it has (while accumulating, the earlier micro-batches' sum). One process would not call "
+                f"them; this torch has no torch._C._current_graph_task_id, which dpool needs to hold them back. "
+                f"Let a tensor hook return early on None, or upgrade torch.",
+                stacklevel=_user_stacklevel())
 
     def _warn_attributes(self, names: set[str]) -> None:
         """Say once per attribute that a forward set it to a tensor that requires grad on the workers only
@@ -1200,7 +1180,7 @@ class Runtime:
         self.stats.no_round("backward")
         self.balancer.observe(1, busy, state.rows)
         input_grads = state.input_grads([r.input_grads for r in replies])
-        self._warn_hooks_without_gradient(param_grads, param_idx)
+        self._gate_hooks(param_grads, param_idx)
         return input_grads + [param_grads[i] for i in param_idx]
 
     @_one_call_at_a_time
@@ -1307,7 +1287,7 @@ class Runtime:
                                                     hold, rows=state.rows, at=state.fseq, skip=skip)
         input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
         if not hold:
-            self._warn_hooks_without_gradient(param_grads, param_idx)
+            self._gate_hooks(param_grads, param_idx)
         out = input_grads + [param_grads[i] for i in param_idx]
         if not create_graph:
             return out
@@ -1532,6 +1512,7 @@ class Runtime:
             return
         self._pending = None  # a deferred forward nothing used (see _Deferred): it never runs
         self._held.release(self.params)
+        hook_gate.restore(self.params)  # gates a failed backward left on the parameters' hooks
         self.master.close()
         self.pool.close()
         if self.nodes is not None:

@@ -287,49 +287,101 @@ def test_frozen_parameters_get_no_grad(wrap):
             torch.testing.assert_close(p.grad, rp.grad)
 
 
+class _Partial(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(3, 3)
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x, both=False):
+        return self.used(x) + self.unused(x) if both else self.used(x)
+
+
 def test_unused_parameter_grad_is_none(wrap):
-    class Partial(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.used = nn.Linear(3, 3)
-            self.unused = nn.Linear(3, 3)
-
-        def forward(self, x, both=False):
-            return self.used(x) + self.unused(x) if both else self.used(x)
-
-    net = Partial()
+    net = _Partial()
     model = wrap(net)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         model(torch.randn(4, 3)).sum().backward()
     assert net.unused.weight.grad is None and net.used.weight.grad is not None
     assert not [w for w in seen if "got no gradient" in str(w.message)]  # no hooks: nothing to say
-    # Hooks: autograd calls an unused parameter's hooks too (the master's parameters are inputs of dpool's
-    # autograd node), where one process calls none. dpool cannot stop that, so it says so, once.
-    calls = []
-    net.unused.weight.register_hook(lambda g: calls.append(("unused", g)))
-    net.used.weight.register_hook(lambda g: calls.append(("used", g)))
-    # ... unless another path of the same backward brings it a gradient: autograd sums what reaches a
-    # parameter and calls its hooks once, with the sum, as one process does (two forwards in one loss, a
-    # siamese network; a loss term on the parameter itself). Nothing to say then.
+
+
+def _hook_everything(net: nn.Module, calls: list) -> None:
+    """Hooks that tell a call with None from none, and change numbers: a tensor hook that logs and clamps,
+    a post-accumulate hook that scales .grad, a multi-grad hook over a used and an unused parameter."""
+
+    def pre(name):
+        def hook(g):
+            calls.append(("pre", name, None if g is None else g.sum().item()))
+            return None if g is None else g.clamp(-0.4, 0.4)
+        return hook
+
+    def post(name):
+        def hook(q):
+            calls.append(("post", name, q.grad is None))
+            if q.grad is not None:
+                q.grad.mul_(0.5)
+        return hook
+
+    for name, p in net.named_parameters():
+        p.register_hook(pre(name))
+        p.register_post_accumulate_grad_hook(post(name))
+    torch.autograd.graph.register_multi_grad_hook(
+        (net.used.weight, net.unused.weight), lambda gs: calls.append(("multi", str([g is None for g in gs]), None)))
+
+
+def test_hooks_of_a_parameter_no_shard_used_run_as_in_one_process(wrap):
+    """The master's parameters are all inputs of dpool's autograd node, so autograd runs the accumulation
+    of a parameter that no shard used, and would call its hooks (a tensor hook with None, a post-accumulate
+    hook that scales the earlier micro-batches' .grad once more). One process calls none: dpool gates them.
+    Another path of the same backward (two forwards in one loss, a loss term on the parameter) still brings
+    the gradient its hooks see once, summed."""
+    net = _Partial()
+    ref = copy.deepcopy(net)
+    model = wrap(net)
+    calls, ref_calls = [], []
+    _hook_everything(net, calls)
+    _hook_everything(ref, ref_calls)
+    own = net.unused.weight._backward_hooks, net.unused.weight._post_accumulate_grad_hooks
     x = torch.randn(4, 3)
-    for loss in (lambda: (model(x) + model(x, both=True)).sum(), lambda: model(x).sum() + net.unused.weight.sum()):
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            loss().backward()
-        assert not [w for w in seen if "got no gradient" in str(w.message)]
-        assert [n for n, g in calls if g is None] == [] and net.unused.weight.grad is not None
-        assert sorted(n for n, _ in calls) == ["unused", "used"]
+    steps = [lambda m, p: m(x, both=True).sum(),  # every parameter
+             lambda m, p: m(x * 2).sum(),  # `unused` gets nothing: one micro-batch more of the accumulation
+             lambda m, p: (m(x) + m(x * 3, both=True)).sum(),  # siamese: one forward used it
+             lambda m, p: m(x).sum() + p.unused.weight.sum()]  # a loss term on the parameter itself
+    for i, loss in enumerate(steps):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing to warn about either
+            loss(model, net).backward()
+        loss(ref, ref).backward()
+        got, want = sorted(calls, key=lambda c: c[:2]), sorted(ref_calls, key=lambda c: c[:2])
+        assert [c[:2] + (c[2] is None,) for c in got] == [c[:2] + (c[2] is None,) for c in want], i
+        values = [[c[2] for c in cs if c[2] is not None] for cs in (got, want)]
+        assert values[0] == pytest.approx(values[1], rel=1e-5), i
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), (i, name)
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=f"{name} after step {i}")
+        assert net.unused.weight._backward_hooks is own[0], i  # the parameter's own dicts are back
+        assert net.unused.weight._post_accumulate_grad_hooks is own[1], i
         calls.clear()
-        net.zero_grad()
-    with pytest.warns(UserWarning, match=r"parameter 'unused\.weight' got no gradient in this backward .* hooks"):
-        model(torch.randn(4, 3)).sum().backward()
-    assert net.unused.weight.grad is None
-    assert sorted((n, g is None) for n, g in calls) == [("unused", True), ("used", False)]
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        model(torch.randn(4, 3)).sum().backward()
-    assert not [w for w in seen if "got no gradient" in str(w.message)]  # once per parameter
+        ref_calls.clear()
+    # A backward that fails after dpool's node (a hook raises) ends without putting the gated dicts back:
+    # the next backward takes them over, and close() puts back what is left.
+    boom = net.used.bias.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
+    with pytest.raises(RuntimeError, match="hook failed"):
+        model(x).sum().backward()
+    boom.remove()
+    model.zero_grad()
+    model(x).sum().backward()
+    assert net.unused.weight._backward_hooks is own[0] and net.unused.weight._post_accumulate_grad_hooks is own[1]
+    assert not [c for c in calls if c[0] != "multi" and c[1].startswith("unused")]
+    boom = net.used.bias.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
+    with pytest.raises(RuntimeError, match="hook failed"):
+        model(x).sum().backward()
+    assert net.unused.weight._backward_hooks is not own[0]  # still gated
+    model.close()
+    assert net.unused.weight._backward_hooks is own[0] and net.unused.weight._post_accumulate_grad_hooks is own[1]
 
 
 def test_state_dict_prefix_and_interop(wrap):
