@@ -18,9 +18,10 @@ is ``None``. Hooks of dpool (``always``) and of torch itself (``register_multi_g
 with ``None``) always run.
 
 Lifecycle: the original dicts come back at the end of the backward (a final callback of autograd's
-engine). A backward that fails before its end leaves its gates: the next backward that gates the same
-parameter adopts its gate and puts it back at its own end, and :func:`restore` (the model's
-``close()``) puts back the rest. Until then a gate left so does what it does within a backward.
+engine). A backward that fails before its end leaves its gates: the model's next forward puts them back
+(:func:`restore_left`), as does its ``close()`` (:func:`restore`); a backward before that which gates the
+same parameter adopts its gate. Until then a gate left so does what it does within a backward. A hook
+registered on a parameter while it is gated lands in the gate's dict and goes with it.
 """
 
 from __future__ import annotations
@@ -110,6 +111,19 @@ def _restore(task: int) -> None:
     _queued.discard(task)
     for key in [k for k, g in _gates.items() if g.task == task]:
         _gates.pop(key).remove()
+
+
+def restore_left(params: Sequence[torch.Tensor]) -> None:
+    """Put back the gates of ``params`` that an ended backward left (one that failed): at the next forward.
+    Not those of the backward now running (a forward inside it: a checkpoint's recomputation)."""
+    if not _gates:
+        return
+    task = _current_task() if _current_task is not None else -1
+    for p in params:
+        g = _gates.get(id(p))
+        if g is not None and g.task != task:
+            del _gates[id(p)]
+            g.remove()
 
 
 def restore(params: Sequence[torch.Tensor]) -> None:

@@ -367,13 +367,16 @@ def test_hooks_of_a_parameter_no_shard_used_run_as_in_one_process(wrap):
         calls.clear()
         ref_calls.clear()
     # A backward that fails after dpool's node (a hook raises) ends without putting the gated dicts back:
-    # the next backward takes them over, and close() puts back what is left.
+    # the next forward does, and close() puts back what is left.
     boom = net.used.bias.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
     with pytest.raises(RuntimeError, match="hook failed"):
         model(x).sum().backward()
+    assert net.unused.weight._backward_hooks is not own[0]  # still gated
     boom.remove()
     model.zero_grad()
-    model(x).sum().backward()
+    out = model(x)
+    assert net.unused.weight._backward_hooks is own[0] and net.unused.weight._post_accumulate_grad_hooks is own[1]
+    out.sum().backward()
     assert net.unused.weight._backward_hooks is own[0] and net.unused.weight._post_accumulate_grad_hooks is own[1]
     assert not [c for c in calls if c[0] != "multi" and c[1].startswith("unused")]
     boom = net.used.bias.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
