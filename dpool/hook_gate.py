@@ -66,8 +66,8 @@ class _Gate:
 
     def after(self, param: torch.Tensor) -> None:
         for key, hook in list((self.post or {}).items()):
-            if self._runs(key, hook):
-                hook(param)
+            if self._runs(key, hook) and hook(param) is not None:
+                raise RuntimeError("Tensor post accumulate grad hooks should return None.")  # (torch's check)
 
     def install(self) -> None:
         self.param._backward_hooks = _GateDict([(-1, self.before)])
