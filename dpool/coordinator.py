@@ -778,7 +778,7 @@ class Runtime:
     def _forward(self, args: tuple, kwargs: dict, synced: bool) -> Any:
         pool = self.pool
         self._check_usable()
-        hook_gate.restore_left(self.params)  # (a failed backward's; nothing to do unless there was one)
+        hook_gate.restore(self.params, keep_running=True)  # a failed backward's gates (seldom any)
         if self.master.changed or self.master.touched():
             self._follow_changes()
         relaid = self.master.check_bindings()

@@ -18,9 +18,9 @@ is ``None``. Hooks of dpool (``always``) and of torch itself (``register_multi_g
 with ``None``) always run.
 
 Lifecycle: the original dicts come back at the end of the backward (a final callback of autograd's
-engine). A backward that fails before its end leaves its gates: the model's next forward puts them back
-(:func:`restore_left`), as does its ``close()`` (:func:`restore`); a backward before that which gates the
-same parameter adopts its gate. Until then a gate left so does what it does within a backward. A hook
+engine). A backward that fails before its end leaves its gates: the model's next forward and its
+``close()`` put them back (:func:`restore`); a backward before that which gates the same parameter adopts
+its gate. Until then a gate left so does what it does within a backward. A hook
 registered on a parameter while it is gated lands in the gate's dict and goes with it.
 """
 
@@ -82,7 +82,6 @@ class _Gate:
 
 
 _gates: dict[int, _Gate] = {}  # id(param) -> its gate, installed
-_queued: set[int] = set()  # the backwards that will put their gates back at their end
 
 
 def gate(params: Sequence[torch.Tensor], always: Callable[[int], bool]) -> bool:
@@ -94,10 +93,9 @@ def gate(params: Sequence[torch.Tensor], always: Callable[[int], bool]) -> bool:
     task = _current_task() if _current_task is not None else -1
     if task < 0:
         return False
-    if task not in _queued:
+    if not any(g.task == task for g in _gates.values()):  # this backward's first: it puts them back at its end
         torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
-            lambda: _restore(task))
-        _queued.add(task)
+            lambda: restore([g.param for g in _gates.values() if g.task == task]))
     for p in params:
         g = _gates.get(id(p))
         if g is None:
@@ -107,28 +105,15 @@ def gate(params: Sequence[torch.Tensor], always: Callable[[int], bool]) -> bool:
     return True
 
 
-def _restore(task: int) -> None:
-    _queued.discard(task)
-    for key in [k for k, g in _gates.items() if g.task == task]:
-        _gates.pop(key).remove()
-
-
-def restore_left(params: Sequence[torch.Tensor]) -> None:
-    """Put back the gates of ``params`` that an ended backward left (one that failed): at the next forward.
-    Not those of the backward now running (a forward inside it: a checkpoint's recomputation)."""
+def restore(params: Sequence[torch.Tensor], keep_running: bool = False) -> None:
+    """Put back the own hook dicts of ``params``: at the end of a backward; at a model's ``close()``, and
+    with ``keep_running`` at its next forward, those a failed backward left, but not those of the backward
+    now running (a forward inside it: a checkpoint's recomputation)."""
     if not _gates:
         return
-    task = _current_task() if _current_task is not None else -1
+    running = _current_task() if keep_running and _current_task is not None else -1
     for p in params:
         g = _gates.get(id(p))
-        if g is not None and g.task != task:
+        if g is not None and (running < 0 or g.task != running):
             del _gates[id(p)]
-            g.remove()
-
-
-def restore(params: Sequence[torch.Tensor]) -> None:
-    """Put back the own hook dicts of ``params`` (a model's ``close()``: gates a failed backward left)."""
-    for p in params:
-        g = _gates.pop(id(p), None)
-        if g is not None:
             g.remove()
