@@ -44,7 +44,7 @@ def test_benchmark_smoke(tmp_path):
     data = json.loads((tmp_path / "smoke.json").read_text())
     for w in ("probe",):
         setups = data["workloads"][w]["setups"]
-        assert set(setups) == {"single", "dp", "ddp", "dpool", "dpool-loss", "ideal", "ceiling"}
+        assert set(setups) == {"single", "dp", "ddp", "dpool", "dpool-loss", "ideal", "ceiling", "minimal"}
         assert all(v["samples_per_s"] > 0 for v in setups.values())
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert "| probe |" in res.stdout and "dpool-loss: ddp" in res.stdout
@@ -125,3 +125,42 @@ def test_resnet18_workload_is_torchvisions_layout():
     assert sum(p.numel() for p in net.parameters()) == 11_689_512
     x, y = w.batch(2, torch.Generator().manual_seed(0))
     assert net(x).shape == (2, 1000) and x.shape == (2, 3, 64, 64)
+
+
+def test_minimal_floor_trains_what_dpool_trains_and_leaves_nothing(wrap):
+    """benchmarks/minimal.py (the `minimal` setup: the design's floor) computes the same step as
+    dpool's loss on the workers, so its speed bounds dpool's; its workers, socket and file go at close."""
+    import glob
+
+    import dpool
+    from benchmarks.minimal import Minimal
+    from benchmarks.workloads import WORKLOADS
+
+    w = WORKLOADS["mlp"]
+    g = torch.Generator().manual_seed(0)
+    data = [w.batch(64, g) for _ in range(3)]
+    torch.manual_seed(0)
+    a = w.make()
+    torch.manual_seed(0)
+    b = w.make()
+    shm = set(glob.glob("/dev/shm/dpool-minimal-*")) | set(glob.glob("/tmp/dpool-minimal-*"))
+    floor = Minimal("mlp", a, 2, 32, (256,), torch.float32)
+    try:
+        model = wrap(b, gather=False)
+        crit = dpool.criterion(torch.nn.CrossEntropyLoss())
+        opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+        opt_b = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for x, y in data:
+            opt_a.zero_grad()
+            loss_a = floor.step(x, y)
+            opt_a.step()
+            opt_b.zero_grad()
+            loss_b = crit(model(x), y)
+            loss_b.backward()
+            opt_b.step()
+            assert loss_a == pytest.approx(loss_b.item(), rel=1e-6)
+        for (name, p), q in zip(a.named_parameters(), model.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6, msg=name)
+    finally:
+        floor.close()
+    assert not floor.procs and set(glob.glob("/dev/shm/dpool-minimal-*")) | set(glob.glob("/tmp/dpool-minimal-*")) == shm
