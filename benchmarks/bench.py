@@ -27,9 +27,11 @@ Setups, on N = --workers:
            N concurrent shards (memory bandwidth and shared caches included).
            Not one of the issue's five setups; a diagnostic for reading `ideal`
   minimal  the least code with dpool's design (benchmarks/minimal.py): N persistent workers
-           on dpool's settings, parameters and slots in shared memory, one round a step with
-           dpool's codec, the slots summed into .grad. Not a product (no bridge, hooks, buffers,
-           checks or failures): a diagnostic, the floor under dpool's own cost per step
+           on dpool's settings, parameters and slots in shared memory, dpool's codec, the loss
+           on the gathered output (two rounds a step, as `dpool`), the slots summed into .grad.
+           Not a product (no autograd bridge, hooks, buffers, checks or failures): a diagnostic,
+           the floor under dpool's own cost per step
+  minimal-loss  the same with the loss on the workers (one round a step): the floor under `dpool-loss`
   nodes    dpool's cross-node mode: N coordinators on loopback gloo (one "node" each),
            one worker per node, global batch / N each: the same process count as `ddp`
            (not in the default set: `--setups nodes,ddp,dpool` compares the three)
@@ -198,9 +200,10 @@ class DDPRunner:
 
 
 class MinimalRunner:
-    """minimal: the least code with dpool's design (benchmarks/minimal.py), a floor under dpool's own cost."""
+    """minimal, minimal-loss: the least code with dpool's design (benchmarks/minimal.py), a floor under the cost
+    of dpool and of dpool-loss."""
 
-    def __init__(self, w: Workload, workers: int, seed: int = 0) -> None:
+    def __init__(self, w: Workload, workers: int, loss_on_workers: bool, seed: int = 0) -> None:
         from benchmarks.minimal import Minimal
 
         torch.manual_seed(seed)
@@ -208,7 +211,8 @@ class MinimalRunner:
         g = torch.Generator().manual_seed(seed)
         self.data = [w.batch(w.global_batch, g) for _ in range(4)]
         x = self.data[0][0]
-        self.model = Minimal(w.name, net, workers, w.global_batch // workers, tuple(x.shape[1:]), x.dtype)
+        self.model = Minimal(w.name, net, workers, w.global_batch // workers, tuple(x.shape[1:]), x.dtype,
+                             loss_on_workers)
         self.opt = torch.optim.SGD(net.parameters(), lr=w.lr, momentum=0.9)
 
     def run(self, steps: int) -> float:
@@ -226,8 +230,8 @@ class MinimalRunner:
 
 
 def make_runner(setup: str, w: Workload, workers: int) -> Any:
-    if setup == "minimal":
-        return MinimalRunner(w, workers)
+    if setup in ("minimal", "minimal-loss"):
+        return MinimalRunner(w, workers, setup == "minimal-loss")
     if setup in ("ddp", "ceiling", "nodes", "nodes-serial"):
         return DDPRunner(w, workers, mode=setup)
     return Local(setup, w, workers)
@@ -275,7 +279,7 @@ def bench(workloads: list[str], setups: list[str], workers: int, steps: int, war
                     entry["setups"]["dpool"]["ms_per_step"] - entry["setups"]["ideal"]["ms_per_step"]
                 )
         if "dpool-loss" in med:  # the loss on the workers
-            for s in ("ddp", "single", "minimal"):
+            for s in ("ddp", "single", "minimal-loss"):
                 if s in med:
                     entry.setdefault("ratios", {})[f"dpool-loss/{s}"] = med["dpool-loss"] / med[s]
             if "ideal" in med:
@@ -333,7 +337,7 @@ def table(results: dict) -> str:
     lines.append(f"Machine: {m['cores_physical']} physical cores, {m['platform']}, Python {m['python']}, torch "
                  f"{m['torch']}; {results['workers']} workers/ranks; {results['repeats']} interleaved repeats of "
                  f"{results['steps']} steps; median (min–max). `dp` on a CPU-only machine runs the whole batch in "
-                 "one module: DataParallel has no CPU parallelism. `ceiling` and `minimal` are "
+                 "one module: DataParallel has no CPU parallelism. `ceiling`, `minimal` and `minimal-loss` are "
                  "diagnostics (see benchmarks/bench.py); framework = dpool − ideal ms/step.")
     return "\n".join(lines)
 
@@ -639,7 +643,7 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mlp,cnn,lstm,probe,resnet18")
-    ap.add_argument("--setups", default="single,dp,ddp,dpool,dpool-loss,ideal,ceiling,minimal")
+    ap.add_argument("--setups", default="single,dp,ddp,dpool,dpool-loss,ideal,ceiling,minimal,minimal-loss")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="steps per repeat (default: per workload)")
     ap.add_argument("--warmup", type=int, default=3)

@@ -1,24 +1,30 @@
-"""``minimal``: the least code that trains with dpool's design, as a floor under dpool's own cost.
+"""``minimal`` and ``minimal-loss``: the least code that trains with dpool's design, as a floor under dpool's
+own cost.
 
 The performance issue asked whether dpool's distance to its targets is the design's or dpool's own. This
-program answers it by measurement. It has what dpool's loss-on-the-workers path has, and nothing else:
+program answers it by measurement. It has what dpool's two paths have, and nothing else:
 
 * persistent worker processes, started with dpool's own environment (``worker_env``: one thread each, the
   heap kept), scheduling policy and CPU binding (``worker_cpus``);
 * the master's parameters in one shared-memory file that the replicas' parameters alias;
-* preallocated shared input, target and gradient slots, one of each per worker;
-* one round per step over ZeroMQ (a ROUTER and one DEALER per worker on ``ipc://``), each message encoded and
-  authenticated by dpool's codec (:class:`dpool.protocol.Codec`); a worker runs forward, loss and backward,
-  its gradient scaled by its share of the batch, and copies it into its slot;
-* the coordinator sums the slots into one flat buffer that the master's ``.grad`` are views of, and the
-  user's optimizer steps.
+* preallocated shared input, target, output, output-gradient and gradient slots, one of each per worker;
+* messages over ZeroMQ (a ROUTER and one DEALER per worker on ``ipc://``), each encoded and authenticated by
+  dpool's codec (:class:`dpool.protocol.Codec`);
+* ``loss_on_workers=False`` (the ``minimal`` setup, beside ``dpool``): two rounds a step. The workers run the
+  forward and keep its graph; the coordinator computes the loss on the gathered output and its gradient;
+  the workers run the backward from their slices of it;
+* ``loss_on_workers=True`` (``minimal-loss``, beside ``dpool-loss``): one round a step. A worker runs forward,
+  loss and backward, its gradient scaled by its share of the batch;
+* either way a worker copies its parameters' gradient into its slot, and the coordinator sums the slots into
+  one flat buffer that the master's ``.grad`` are views of; the user's optimizer steps.
 
 What it leaves out is everything that makes dpool a product: the autograd bridge (a step is
 ``Minimal.step(x, y)``, not ``loss(model(x), y).backward()``), uneven and changing batches, any loss but
 cross-entropy, outputs, hooks, ``no_sync()``, buffers (BatchNorm statistics stay on each worker), changes
 to the model after start, failures and restarts, and every check. So it is not a product, and its numbers
-are only a floor. It trains the same numbers as ``dpool.wrap(net, gather=False)`` with
-``dpool.criterion(nn.CrossEntropyLoss())`` on models without buffers (``tests/test_examples_bench.py``).
+are only a floor. On models without buffers it trains the same numbers as ``dpool.wrap(net)`` with
+``F.cross_entropy`` and as ``dpool.wrap(net, gather=False)`` with ``dpool.criterion(nn.CrossEntropyLoss())``
+(``tests/test_examples_bench.py``).
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import tempfile
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import zmq
 
 from dpool import protocol as P
@@ -41,7 +48,8 @@ from dpool.launch import worker_cpus, worker_env
 
 __all__ = ["Minimal"]
 
-_STOP = -1
+_REPLY_WITHIN_MS = 120_000
+_STOP, _FORWARD, _BACKWARD, _FORWARD_LOSS_BACKWARD = -1, 0, 1, 2  # what a request asks of a worker
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -53,23 +61,25 @@ class _Layout:
     """Where each part lies in the shared file: the parameters, then per worker a gradient slot, an input and a
     target slot. Both sides compute it from the same arguments."""
 
-    def __init__(self, numel: int, workers: int, rows: int, x_shape: tuple[int, ...], x_dtype: torch.dtype) -> None:
-        self.numel, self.rows, self.x_shape, self.x_dtype = numel, rows, x_shape, x_dtype
+    def __init__(self, numel: int, workers: int, rows: int, x_shape: tuple[int, ...], x_dtype: torch.dtype,
+                 classes: int) -> None:
+        self.numel, self.rows, self.x_shape, self.x_dtype, self.classes = numel, rows, x_shape, x_dtype, classes
         x_bytes = rows * math.prod(x_shape) * x_dtype.itemsize
         off = self.params = 0
         off += _align(numel * 4)
-        self.slots, self.inputs, self.targets = [], [], []
+        self.slots, self.inputs, self.targets, self.outs, self.gouts = [], [], [], [], []
         for _ in range(workers):
-            self.slots.append(off)
-            off += _align(numel * 4)
-            self.inputs.append(off)
-            off += _align(x_bytes)
-            self.targets.append(off)
-            off += _align(rows * 8)
+            for where, size in ((self.slots, numel * 4), (self.inputs, x_bytes), (self.targets, rows * 8),
+                                (self.outs, rows * classes * 4), (self.gouts, rows * classes * 4)):
+                where.append(off)
+                off += _align(size)
         self.size = off
 
     def flat(self, u8: torch.Tensor, off: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return u8[off:off + numel * dtype.itemsize].view(dtype)
+        """The part at byte ``off``: a tensor of its own on the mapping's storage, not a view of ``u8``. Views of
+        one tensor share a version counter, so writing a worker's output would otherwise look to autograd as
+        if its input and parameters had changed before the backward."""
+        return torch.empty(0, dtype=dtype).set_(u8.untyped_storage(), off // dtype.itemsize, (numel,))
 
     def input(self, u8: torch.Tensor, w: int) -> torch.Tensor:
         return self.flat(u8, self.inputs[w], self.rows * math.prod(self.x_shape), self.x_dtype).view(
@@ -77,6 +87,10 @@ class _Layout:
 
     def target(self, u8: torch.Tensor, w: int) -> torch.Tensor:
         return self.flat(u8, self.targets[w], self.rows, torch.int64)
+
+    def out(self, u8: torch.Tensor, w: int, grad: bool = False) -> torch.Tensor:
+        at = (self.gouts if grad else self.outs)[w]
+        return self.flat(u8, at, self.rows * self.classes, torch.float32).view(self.rows, self.classes)
 
 
 def _views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -96,16 +110,21 @@ class Minimal:
         workers: how many worker processes.
         rows: rows per worker per step (the global batch is ``workers * rows``).
         x_shape, x_dtype: one input row's shape and dtype.
+        loss_on_workers: one round a step with the loss on the workers; otherwise two, with the loss here.
     """
 
     def __init__(self, wname: str, net: torch.nn.Module, workers: int, rows: int, x_shape: tuple[int, ...],
-                 x_dtype: torch.dtype) -> None:
-        self.net, self.n, self.rows = net, workers, rows
+                 x_dtype: torch.dtype, loss_on_workers: bool = False) -> None:
+        self.net, self.n, self.rows, self.loss_on_workers = net, workers, rows, loss_on_workers
         self.params = list(net.parameters())
         if any(p.dtype != torch.float32 for p in self.params):
             raise ValueError("minimal: float32 parameters only")
         numel = sum(p.numel() for p in self.params)
-        self.layout = lay = _Layout(numel, workers, rows, tuple(x_shape), x_dtype)
+        was = net.training
+        with torch.no_grad():
+            classes = net.eval()(torch.zeros((1, *x_shape), dtype=x_dtype)).size(1)
+        net.train(was)
+        self.layout = lay = _Layout(numel, workers, rows, tuple(x_shape), x_dtype, classes)
         self._dir = tempfile.mkdtemp(prefix="dpool-minimal-")  # 0700: the socket file is ours alone
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else self._dir
         fd, self._file = tempfile.mkstemp(prefix="dpool-minimal-", dir=shm)
@@ -122,15 +141,18 @@ class Minimal:
             self.slots = [lay.flat(self.u8, lay.slots[w], numel, torch.float32) for w in range(workers)]
             self.inputs = [lay.input(self.u8, w) for w in range(workers)]
             self.targets = [lay.target(self.u8, w) for w in range(workers)]
+            self.outs = [lay.out(self.u8, w) for w in range(workers)]
+            self.gouts = [lay.out(self.u8, w, grad=True) for w in range(workers)]
             self.total = torch.empty(numel)
             self.grads = _views(self.total, self.params)
+            self.gathered = torch.empty(workers * rows, classes)
             key = secrets.token_bytes(32)
             self.codec = P.Codec(key)
             self.sock = self._ctx.socket(zmq.ROUTER)
             endpoint = f"ipc://{self._dir}/c.sock"
             self.sock.bind(endpoint)
-            spec = json.dumps([wname, workers, rows, list(x_shape), str(x_dtype).removeprefix("torch."), self._file,
-                         endpoint])
+            spec = json.dumps([wname, workers, rows, list(x_shape), str(x_dtype).removeprefix("torch."), classes,
+                               self._file, endpoint])
             for w in range(workers):
                 env = worker_env(1, workers)
                 env["PYTHONPATH"] = os.pathsep.join([_ROOT, env.get("PYTHONPATH", "")])  # benchmarks.workloads
@@ -147,7 +169,7 @@ class Minimal:
                 if not self.sock.poll(120_000):
                     raise RuntimeError("minimal: a worker did not start within 120 s")
                 ident, frame = self.sock.recv_multipart()
-                self.ids[struct.unpack("<q", self.codec.decode([frame])[2].result)[0]] = ident
+                self.ids[int(self._decode(frame))] = ident
         except BaseException:
             self.close()
             raise
@@ -155,31 +177,54 @@ class Minimal:
         self._file = ""
         self.seq = 0
 
+    def _decode(self, frame: bytes) -> float:
+        return struct.unpack("<d", self.codec.decode([frame])[2].result)[0]
+
+    def _round(self, op: int) -> float:
+        """Send ``op`` to every worker; the sum of their replies' numbers."""
+        send, encode = self.sock.send, self.codec.encode
+        for w in range(self.n):
+            self.seq += 1
+            send(self.ids[w], zmq.SNDMORE)
+            send(encode(P.Call(struct.pack("<q", op)), self.seq))
+        total = 0.0
+        for _ in range(self.n):
+            if not self.sock.poll(_REPLY_WITHIN_MS):  # (a worker that failed printed why: never a hang)
+                raise RuntimeError(f"minimal: no reply within {_REPLY_WITHIN_MS / 1000:g} s; exit codes "
+                                   f"{[proc.poll() for proc in self.procs]}")
+            total += self._decode(self.sock.recv_multipart()[1])
+        return total
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One step's forward, cross-entropy (mean) and backward of the batch ``x, y``: afterwards the master's
         ``.grad`` hold the gradient of the mean loss. Returns that loss."""
-        rows, send, encode = self.rows, self.sock.send, self.codec.encode
+        rows = self.rows
         for w in range(self.n):
             self.inputs[w].copy_(x[w * rows:(w + 1) * rows])
-            self.targets[w].copy_(y[w * rows:(w + 1) * rows])
-            self.seq += 1
-            send(self.ids[w], zmq.SNDMORE)
-            send(encode(P.Call(struct.pack("<q", self.seq)), self.seq))
-        loss = 0.0
-        for _ in range(self.n):
-            _, frame = self.sock.recv_multipart()
-            loss += struct.unpack("<d", self.codec.decode([frame])[2].result)[0]
+            if self.loss_on_workers:
+                self.targets[w].copy_(y[w * rows:(w + 1) * rows])
+        if self.loss_on_workers:
+            loss = self._round(_FORWARD_LOSS_BACKWARD) / self.n
+        else:
+            self._round(_FORWARD)
+            out = torch.cat(self.outs, out=self.gathered).detach().requires_grad_()
+            value = F.cross_entropy(out, y)
+            (gout,) = torch.autograd.grad(value, out)
+            for w in range(self.n):
+                self.gouts[w].copy_(gout[w * rows:(w + 1) * rows])
+            self._round(_BACKWARD)
+            loss = float(value.detach())
         torch.add(self.slots[0], self.slots[1], out=self.total) if self.n > 1 else self.total.copy_(self.slots[0])
         for s in self.slots[2:]:
             self.total.add_(s)
         for p, g in zip(self.params, self.grads):
             p.grad = g
-        return loss / self.n
+        return loss
 
     def close(self) -> None:
         """Stop the workers (killed if they do not stop within 10 s) and remove every file."""
         if self.sock is not None:
-            for w, ident in enumerate(getattr(self, "ids", [])):
+            for ident in getattr(self, "ids", []):
                 if ident:
                     self.sock.send(ident, zmq.SNDMORE)
                     self.sock.send(self.codec.encode(P.Call(struct.pack("<q", _STOP)), 0))
@@ -201,7 +246,7 @@ class Minimal:
 
 
 def _worker(index: int, spec: str) -> None:
-    wname, workers, rows, x_shape, x_dtype, path, endpoint = json.loads(spec)
+    wname, workers, rows, x_shape, x_dtype, classes, path, endpoint = json.loads(spec)
     policy, cpus = os.environ.get("DPOOL_WORKER_SCHED", "other"), os.environ.get("DPOOL_WORKER_CPUS", "")
     if policy == "batch" and hasattr(os, "SCHED_BATCH"):  # as dpool's worker does (workers/worker.py)
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
@@ -214,26 +259,37 @@ def _worker(index: int, spec: str) -> None:
     model = WORKLOADS[wname].make()
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    lay = _Layout(numel, workers, rows, tuple(x_shape), getattr(torch, x_dtype))
+    lay = _Layout(numel, workers, rows, tuple(x_shape), getattr(torch, x_dtype), classes)
     u8 = torch.from_file(path, shared=True, size=lay.size, dtype=torch.uint8)
     for p, v in zip(params, _views(lay.flat(u8, lay.params, numel, torch.float32), params)):
         p.data = v  # the replica's parameters are the master's memory
     slot = _views(lay.flat(u8, lay.slots[index], numel, torch.float32), params)
-    x, y = lay.input(u8, index), lay.target(u8, index)
-    loss_fn = torch.nn.CrossEntropyLoss()
+    x, y, out_slot, gout = lay.input(u8, index), lay.target(u8, index), lay.out(u8, index), lay.out(u8, index, True)
     share = torch.tensor(1.0 / workers)  # equal shards: this shard's part of the mean loss's gradient
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
     seq = 1
-    sock.send(codec.encode(P.CallDone(struct.pack("<q", index)), seq))
+    sock.send(codec.encode(P.CallDone(struct.pack("<d", index)), seq))
+    out = None
     while True:
         _, _, msg = codec.decode([sock.recv()])
-        if struct.unpack("<q", msg.fn)[0] == _STOP:
+        op = struct.unpack("<q", msg.fn)[0]
+        if op == _STOP:
             break
-        loss = loss_fn(model(x), y)
-        torch._foreach_copy_(slot, list(torch.autograd.grad(loss, params, share)))
+        value = 0.0
+        if op == _FORWARD_LOSS_BACKWARD:
+            loss = F.cross_entropy(model(x), y)
+            torch._foreach_copy_(slot, list(torch.autograd.grad(loss, params, share)))
+            value = float(loss.detach())
+        elif op == _FORWARD:
+            out = model(x)
+            out_slot.copy_(out.detach())
+        else:
+            assert out is not None
+            torch._foreach_copy_(slot, list(torch.autograd.grad(out, params, gout)))
+            out = None
         seq += 1
-        sock.send(codec.encode(P.CallDone(struct.pack("<d", float(loss.detach()))), seq))
+        sock.send(codec.encode(P.CallDone(struct.pack("<d", value)), seq))
     sock.close(linger=0)
 
 

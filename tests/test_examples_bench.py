@@ -44,7 +44,8 @@ def test_benchmark_smoke(tmp_path):
     data = json.loads((tmp_path / "smoke.json").read_text())
     for w in ("probe",):
         setups = data["workloads"][w]["setups"]
-        assert set(setups) == {"single", "dp", "ddp", "dpool", "dpool-loss", "ideal", "ceiling", "minimal"}
+        assert set(setups) == {"single", "dp", "ddp", "dpool", "dpool-loss", "ideal", "ceiling", "minimal",
+                               "minimal-loss"}
         assert all(v["samples_per_s"] > 0 for v in setups.values())
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert "| probe |" in res.stdout and "dpool-loss: ddp" in res.stdout
@@ -127,10 +128,14 @@ def test_resnet18_workload_is_torchvisions_layout():
     assert net(x).shape == (2, 1000) and x.shape == (2, 3, 64, 64)
 
 
-def test_minimal_floor_trains_what_dpool_trains_and_leaves_nothing(wrap):
-    """benchmarks/minimal.py (the `minimal` setup: the design's floor) computes the same step as
-    dpool's loss on the workers, so its speed bounds dpool's; its workers, socket and file go at close."""
+@pytest.mark.parametrize("loss_on_workers", [False, True])
+def test_minimal_floor_trains_what_dpool_trains_and_leaves_nothing(wrap, loss_on_workers):
+    """benchmarks/minimal.py (the `minimal` and `minimal-loss` setups: the design's floor) computes the same
+    step as dpool with the loss on the gathered output, and with the loss on the workers, so its speed bounds
+    dpool's; its workers, socket and file go at close."""
     import glob
+
+    import torch.nn.functional as F
 
     import dpool
     from benchmarks.minimal import Minimal
@@ -144,10 +149,10 @@ def test_minimal_floor_trains_what_dpool_trains_and_leaves_nothing(wrap):
     torch.manual_seed(0)
     b = w.make()
     shm = set(glob.glob("/dev/shm/dpool-minimal-*")) | set(glob.glob("/tmp/dpool-minimal-*"))
-    floor = Minimal("mlp", a, 2, 32, (256,), torch.float32)
+    floor = Minimal("mlp", a, 2, 32, (256,), torch.float32, loss_on_workers)
     try:
-        model = wrap(b, gather=False)
-        crit = dpool.criterion(torch.nn.CrossEntropyLoss())
+        model = wrap(b, gather=not loss_on_workers)
+        crit = dpool.criterion(torch.nn.CrossEntropyLoss()) if loss_on_workers else F.cross_entropy
         opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
         opt_b = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for x, y in data:
