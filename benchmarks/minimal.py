@@ -58,8 +58,8 @@ def _align(n: int) -> int:
 
 
 class _Layout:
-    """Where each part lies in the shared file: the parameters, then per worker a gradient slot, an input and a
-    target slot. Both sides compute it from the same arguments."""
+    """Where each part lies in the shared file: the parameters, then per worker its gradient, input, target,
+    output and output-gradient slots. Both sides compute it from the same arguments."""
 
     def __init__(self, numel: int, workers: int, rows: int, x_shape: tuple[int, ...], x_dtype: torch.dtype,
                  classes: int) -> None:
