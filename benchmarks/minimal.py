@@ -22,9 +22,9 @@ What it leaves out is everything that makes dpool a product: the autograd bridge
 ``Minimal.step(x, y)``, not ``loss(model(x), y).backward()``), uneven and changing batches, any loss but
 cross-entropy, outputs, hooks, ``no_sync()``, buffers (BatchNorm statistics stay on each worker), changes
 to the model after start, failures and restarts, and every check. So it is not a product, and its numbers
-are only a floor. On models without buffers it trains the same numbers as ``dpool.wrap(net)`` with
-``F.cross_entropy`` and as ``dpool.wrap(net, gather=False)`` with ``dpool.criterion(nn.CrossEntropyLoss())``
-(``tests/test_examples_bench.py``).
+are only a floor. On models without buffers both modes train what one process trains on the global batch
+(``tests/test_examples_bench.py``), as ``dpool.wrap(net)`` with ``F.cross_entropy`` and ``dpool.wrap(net,
+gather=False)`` with ``dpool.criterion(nn.CrossEntropyLoss())`` do.
 """
 from __future__ import annotations
 
