@@ -206,6 +206,9 @@ class MinimalRunner:
     def __init__(self, w: Workload, workers: int, loss_on_workers: bool, seed: int = 0) -> None:
         from benchmarks.minimal import Minimal
 
+        if w.global_batch % workers:
+            raise ValueError(f"minimal: {w.name}'s batch of {w.global_batch} does not split evenly over "
+                             f"{workers} workers")
         torch.manual_seed(seed)
         net = w.make()
         g = torch.Generator().manual_seed(seed)

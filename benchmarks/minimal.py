@@ -199,6 +199,8 @@ class Minimal:
         """One step's forward, cross-entropy (mean) and backward of the batch ``x, y``: afterwards the master's
         ``.grad`` hold the gradient of the mean loss. Returns that loss."""
         rows = self.rows
+        if x.size(0) != self.n * rows:  # (a batch it would split otherwise would train on other rows than dpool)
+            raise ValueError(f"minimal: a batch of {x.size(0)} rows, but {self.n} workers of {rows} rows each")
         for w in range(self.n):
             self.inputs[w].copy_(x[w * rows:(w + 1) * rows])
             if self.loss_on_workers:

@@ -162,6 +162,8 @@ def test_minimal_floor_trains_what_one_process_trains_and_leaves_nothing():
             for o in opts:
                 o.step()
             assert losses == pytest.approx([expected.item()] * 2, rel=1e-5)
+        with pytest.raises(ValueError, match="a batch of 63 rows, but 2 workers of 32 rows each"):
+            floors[0].step(x[:63], y[:63])  # never a step on other rows than dpool's
         for name, p in ref.named_parameters():
             for net in (two, one):
                 torch.testing.assert_close(dict(net.named_parameters())[name].detach(), p.detach(), rtol=0,
