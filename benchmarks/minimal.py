@@ -249,12 +249,11 @@ class Minimal:
 
 def _worker(index: int, spec: str) -> None:
     wname, workers, rows, x_shape, x_dtype, classes, path, endpoint = json.loads(spec)
-    policy, cpus = os.environ.get("DPOOL_WORKER_SCHED", "other"), os.environ.get("DPOOL_WORKER_CPUS", "")
-    if policy == "batch" and hasattr(os, "SCHED_BATCH"):  # as dpool's worker does (workers/worker.py)
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    if cpus:
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     from benchmarks.workloads import WORKLOADS
+    from workers.worker import set_affinity, set_scheduling  # dpool's worker's own, as it calls them
+
+    set_scheduling(os.environ.get("DPOOL_WORKER_SCHED", "other"))
+    set_affinity(os.environ.get("DPOOL_WORKER_CPUS", ""))
 
     torch.set_num_threads(1)
     codec = P.Codec(sys.stdin.buffer.read())
