@@ -75,6 +75,13 @@ def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: Any, data: 
     return time.perf_counter() - t0
 
 
+def batches(w: Workload, rows: int, seed: int, count: int = 4) -> list:
+    """``count`` batches of ``rows`` rows of workload ``w``, drawn from a generator seeded with ``seed``: the
+    data every setup trains on, the same for a given seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [w.batch(rows, g) for _ in range(count)]
+
+
 class Local:
     """single / dp / ideal / dpool: run in this process."""
 
@@ -82,9 +89,7 @@ class Local:
         self.setup, self.w = setup, w
         torch.manual_seed(seed)
         net = w.make()
-        g = torch.Generator().manual_seed(seed)
-        n = w.global_batch // workers if setup == "ideal" else w.global_batch
-        self.data = [w.batch(n, g) for _ in range(4)]
+        self.data = batches(w, w.global_batch // workers if setup == "ideal" else w.global_batch, seed)
         self.threads = max(1, CORES // workers) if setup == "ideal" else CORES
         self.loss: Any = w.loss
         if setup == "dp":
@@ -137,8 +142,7 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
     else:
         model = DDP(w.make()) if ddp else w.make()
     opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
-    g = torch.Generator().manual_seed(rank + 1)
-    data = [w.batch(w.global_batch // world, g) for _ in range(4)]
+    data = batches(w, w.global_batch // world, rank + 1)
     while True:
         steps = conn.recv()
         if steps is None:
@@ -211,8 +215,7 @@ class MinimalRunner:
                              f"{workers} workers")
         torch.manual_seed(seed)
         net = w.make()
-        g = torch.Generator().manual_seed(seed)
-        self.data = [w.batch(w.global_batch, g) for _ in range(4)]
+        self.data = batches(w, w.global_batch, seed)
         x = self.data[0][0]
         self.model = Minimal(w.name, net, workers, w.global_batch // workers, tuple(x.shape[1:]), x.dtype,
                              loss_on_workers)
@@ -387,8 +390,7 @@ def balance_demo(steps: int, repeats: int) -> str:
     import dpool
 
     w = WORKLOADS["mlp"]
-    g = torch.Generator().manual_seed(0)
-    data = [w.batch(w.global_batch, g) for _ in range(4)]
+    data = batches(w, w.global_batch, 0)
     rows = []
     for mode in ("even", "auto"):
         torch.manual_seed(0)
@@ -584,8 +586,7 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
     import dpool
 
     w = WORKLOADS["probe"]
-    g = torch.Generator().manual_seed(0)
-    data = [w.batch(w.global_batch, g) for _ in range(4)]
+    data = batches(w, w.global_batch, 0)
     modes = ("gathered", "loss")
     pools: dict[tuple[int, str], tuple[Any, torch.optim.Optimizer, Any]] = {}
     cpu: dict[tuple[int, str, bool], list[float]] = {(n, m, s): [] for n in counts for m in modes

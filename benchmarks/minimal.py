@@ -45,16 +45,13 @@ import zmq
 
 from dpool import protocol as P
 from dpool.launch import worker_cpus, worker_env
+from dpool.transport.base import align, standalone
 
 __all__ = ["Minimal"]
 
 _REPLY_WITHIN_MS = 120_000
 _STOP, _FORWARD, _BACKWARD, _FORWARD_LOSS_BACKWARD = -1, 0, 1, 2  # what a request asks of a worker
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _align(n: int) -> int:
-    return (n + 63) & ~63
 
 
 class _Layout:
@@ -66,20 +63,20 @@ class _Layout:
         self.numel, self.rows, self.x_shape, self.x_dtype, self.classes = numel, rows, x_shape, x_dtype, classes
         x_bytes = rows * math.prod(x_shape) * x_dtype.itemsize
         off = self.params = 0
-        off += _align(numel * 4)
+        off += align(numel * 4)
         self.slots, self.inputs, self.targets, self.outs, self.gouts = [], [], [], [], []
         for _ in range(workers):
             for where, size in ((self.slots, numel * 4), (self.inputs, x_bytes), (self.targets, rows * 8),
                                 (self.outs, rows * classes * 4), (self.gouts, rows * classes * 4)):
                 where.append(off)
-                off += _align(size)
+                off += align(size)
         self.size = off
 
     def flat(self, u8: torch.Tensor, off: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The part at byte ``off``: a tensor of its own on the mapping's storage, not a view of ``u8``. Views of
         one tensor share a version counter, so writing a worker's output would otherwise look to autograd as
         if its input and parameters had changed before the backward."""
-        return torch.empty(0, dtype=dtype).set_(u8.untyped_storage(), off // dtype.itemsize, (numel,))
+        return standalone(u8.untyped_storage(), u8.device, off, dtype, (numel,))
 
     def input(self, u8: torch.Tensor, w: int) -> torch.Tensor:
         return self.flat(u8, self.inputs[w], self.rows * math.prod(self.x_shape), self.x_dtype).view(
