@@ -38,6 +38,9 @@ Setups, on N = --workers:
   nodes-serial  the same with the buckets exchanged after the backward instead of during it
            (DPOOL_CROSS_NODE_OVERLAP=0): beside `nodes`, the table reports how much of the
            exchange the overlap hid behind the backward (`--setups nodes,nodes-serial,ddp`)
+  minimal-nodes  the floor under `nodes` (benchmarks/minimal.py's MinimalNode): N gloo ranks, each a
+           `minimal` node with one worker, its gradient averaged across the ranks as dpool does
+           (x 1/N, then summed; two ranks swap point to point). A diagnostic, not in the default set
 
 Results go to --out as JSON and a PNG chart; the Markdown table is printed.
 """
@@ -120,8 +123,8 @@ class Local:
 
 
 def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str = "ddp") -> None:
-    """One rank of ``ddp``, one independent trainer of ``ceiling``, or one dpool node of ``nodes`` (``nodes-serial``:
-    without overlap)."""
+    """One rank of ``ddp``, one independent trainer of ``ceiling``, one dpool node of ``nodes`` (``nodes-serial``:
+    without overlap), or one node of their floor, ``minimal-nodes``."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -132,17 +135,25 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
     w = WORKLOADS[wname]
     torch.manual_seed(0)
     nodes = mode.startswith("nodes")
+    floor = mode == "minimal-nodes"
+    data = batches(w, w.global_batch // world, rank + 1)
+    if nodes or floor:
+        # what torchrun --standalone --nproc-per-node=N gives each rank: dpool sizes and binds its workers by them
+        os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)
     if nodes:
         import dpool
 
-        # what torchrun --standalone --nproc-per-node=N gives each rank: dpool sizes and binds its workers by them
-        os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)
         os.environ["DPOOL_CROSS_NODE_OVERLAP"] = "0" if mode == "nodes-serial" else "1"
         model = dpool.wrap(w.make(), ["cpu"], worker_threads=max(1, CORES // world))
+    elif floor:
+        from benchmarks.minimal import Minimal, MinimalNode, train
+
+        net = w.make()
+        x = data[0][0]
+        model = MinimalNode(Minimal(w.name, net, 1, x.size(0), tuple(x.shape[1:]), x.dtype))
     else:
         model = DDP(w.make()) if ddp else w.make()
-    opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
-    data = batches(w, w.global_batch // world, rank + 1)
+    opt = torch.optim.SGD(net.parameters() if floor else model.parameters(), lr=w.lr, momentum=0.9)
     while True:
         steps = conn.recv()
         if steps is None:
@@ -152,12 +163,17 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
         waited = model._nodes.waited_s if nodes else 0.0
         reducer = model._runtime.reducer if nodes else None
         early = reducer.early if reducer is not None else 0
-        elapsed = _steps(model, opt, w.loss, data, steps)
+        if floor:
+            t0 = time.perf_counter()
+            train(model, opt, data, steps)
+            elapsed = time.perf_counter() - t0
+        else:
+            elapsed = _steps(model, opt, w.loss, data, steps)
         if ddp:
             dist.barrier()
         conn.send((elapsed, (model._nodes.waited_s - waited) if nodes else 0.0,
                    (reducer.early - early, len(reducer.plan)) if reducer is not None else (0, 0)))
-    if nodes:
+    if nodes or floor:
         model.close()
     if ddp:
         dist.destroy_process_group()
@@ -165,7 +181,8 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
 
 class DDPRunner:
     """``ddp``: N gloo ranks. ``ceiling``: the same N processes, with no process group and no all-reduce.
-    ``nodes``: N dpool coordinators in cross-node mode, one worker each (``nodes-serial``: without overlap)."""
+    ``nodes``: N dpool coordinators in cross-node mode, one worker each (``nodes-serial``: without overlap).
+    ``minimal-nodes``: N gloo ranks, each a one-worker :class:`benchmarks.minimal.MinimalNode`."""
 
     def __init__(self, w: Workload, workers: int, mode: str = "ddp") -> None:
         import socket
@@ -222,13 +239,11 @@ class MinimalRunner:
         self.opt = torch.optim.SGD(net.parameters(), lr=w.lr, momentum=0.9)
 
     def run(self, steps: int) -> float:
+        from benchmarks.minimal import train
+
         torch.set_num_threads(1)  # as dpool holds its coordinator to one thread
         t0 = time.perf_counter()
-        for i in range(steps):
-            x, y = self.data[i % len(self.data)]
-            self.opt.zero_grad(set_to_none=True)
-            self.model.step(x, y)
-            self.opt.step()
+        train(self.model, self.opt, self.data, steps)
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -238,7 +253,7 @@ class MinimalRunner:
 def make_runner(setup: str, w: Workload, workers: int) -> Any:
     if setup in ("minimal", "minimal-loss"):
         return MinimalRunner(w, workers, setup == "minimal-loss")
-    if setup in ("ddp", "ceiling", "nodes", "nodes-serial"):
+    if setup in ("ddp", "ceiling", "nodes", "nodes-serial", "minimal-nodes"):
         return DDPRunner(w, workers, mode=setup)
     return Local(setup, w, workers)
 
@@ -302,6 +317,10 @@ def bench(workloads: list[str], setups: list[str], workers: int, steps: int, war
                 exposed = 1000 * statistics.median(serial) / steps
                 entry["nodes_serial_exposed_collective_ms_per_step"] = exposed
                 entry["nodes_hidden_collective_ms_per_step"] = exposed - entry["nodes_exposed_collective_ms_per_step"]
+        if "minimal-nodes" in med:  # the cross-node floor against DDP, and the cross-node mode against its floor
+            for a, b in (("minimal-nodes", "ddp"), ("nodes", "minimal-nodes")):
+                if a in med and b in med:
+                    entry.setdefault("ratios", {})[f"{a}/{b}"] = med[a] / med[b]
         results["workloads"][wname] = entry
     return results
 
@@ -325,6 +344,9 @@ def table(results: dict) -> str:
                            f"{e['nodes_hidden_collective_ms_per_step']:.2f} ms/step hidden behind the backward)")
             ratios += (f"; buckets per step {e['nodes_buckets_per_step']}, "
                        f"{e['nodes_buckets_during_backward_per_step']:.1f} of them exchanged during the backward")
+        for k in ("minimal-nodes/ddp", "nodes/minimal-nodes"):
+            if k in e.get("ratios", {}):
+                ratios += f"; {k} {e['ratios'][k]:.2f}×"
         if "framework_ms_per_step" in e:
             fw = e["framework_ms_per_step"]
             # dpool − ideal below zero is noise or a workload where dpool beats one shard alone (its

@@ -25,6 +25,12 @@ to the model after start, failures and restarts, and every check. So it is not a
 are only a floor. On models without buffers both modes train what one process trains on the global batch
 (``tests/test_examples_bench.py``), as ``dpool.wrap(net)`` with ``F.cross_entropy`` and ``dpool.wrap(net,
 gather=False)`` with ``dpool.criterion(nn.CrossEntropyLoss())`` do.
+
+:class:`MinimalNode` (the ``minimal-nodes`` setup, beside ``nodes``) is one node of dpool's cross-node mode in
+the same spirit: a :class:`Minimal` of the node's workers, then the node's gradient averaged across the nodes'
+coordinators over ``torch.distributed`` as dpool does it (× 1/N, then summed; two nodes swap theirs point to
+point, more all-reduce), with no header, buckets, overlap, heartbeat or bounded wait. It is the floor under the
+cross-node mode's cost, to be read against DDP at the same process count.
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ from dpool import protocol as P
 from dpool.launch import worker_cpus, worker_env
 from dpool.transport.base import align, standalone
 
-__all__ = ["Minimal"]
+__all__ = ["Minimal", "MinimalNode", "train"]
 
 _REPLY_WITHIN_MS = 120_000
 _STOP, _FORWARD, _BACKWARD, _FORWARD_LOSS_BACKWARD = -1, 0, 1, 2  # what a request asks of a worker
@@ -242,6 +248,52 @@ class Minimal:
             os.unlink(self._file)
             self._file = ""
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class MinimalNode:
+    """One node of the cross-node design in the least code: ``minimal``'s step on the node's workers, then the
+    node's gradient (the sum over its workers: the gradient of the node's mean loss) averaged across the ranks
+    of the initialised default process group, in dpool's and DDP's order (× 1/N, then a sum). Two ranks swap
+    their gradients point to point (``isend``/``irecv``, dpool's exchange for two nodes of CPU masters) and
+    add; more all-reduce. With equal node batches this trains what one process trains on the union batch.
+
+    Args:
+        node: this node's :class:`Minimal` (its ``.grad`` are views of ``node.total``).
+    """
+
+    def __init__(self, node: Minimal) -> None:
+        import torch.distributed as dist
+
+        self.node, self.dist = node, dist
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.theirs = torch.empty_like(node.total) if self.world == 2 else None
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """This node's step on its batch ``x, y``, then the gradient averaged across the nodes (in ``.grad``).
+        Returns this node's loss."""
+        loss = self.node.step(x, y)
+        total = self.node.total
+        total.mul_(1.0 / self.world)
+        if self.theirs is None:
+            self.dist.all_reduce(total)
+        else:  # (both ranks add the same two halves: a + b == b + a, so they stay identical)
+            other = 1 - self.rank
+            for req in (self.dist.isend(total, other), self.dist.irecv(self.theirs, other)):
+                req.wait()
+            total.add_(self.theirs)
+        return loss
+
+    def close(self) -> None:
+        self.node.close()
+
+
+def train(model: Minimal | MinimalNode, opt: torch.optim.Optimizer, data: list, steps: int) -> None:
+    """``steps`` training steps of ``model`` on the batches ``data`` (in turn), as the benchmark times them."""
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        opt.zero_grad(set_to_none=True)
+        model.step(x, y)
+        opt.step()
 
 
 def _worker(index: int, spec: str) -> None:

@@ -174,6 +174,29 @@ def union(rank: int, world: int, p: dict) -> dict:
     return {}
 
 
+def minimal_nodes(rank: int, world: int, p: dict) -> dict:
+    """benchmarks/minimal.py's ``MinimalNode`` (the ``minimal-nodes`` setup, the floor under the cross-node
+    mode's speed): one worker per node, the benchmark's mlp, mean cross-entropy, momentum, trained on the rank's
+    rows; the test compares with one process on the union batch. Its worker and files go at close."""
+    from benchmarks.minimal import Minimal, MinimalNode, train
+    from benchmarks.workloads import WORKLOADS
+
+    w, B = WORKLOADS["mlp"], 32
+    g = torch.Generator().manual_seed(0)
+    data = [w.batch(B, g) for _ in range(3)]
+    sl = rows_of(rank, world, B)
+    torch.manual_seed(0)
+    net = w.make()
+    node = MinimalNode(Minimal("mlp", net, 1, B // world, (256,), torch.float32))
+    try:
+        train(node, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), [(x[sl], y[sl]) for x, y in data], 3)
+    finally:
+        node.close()
+    torch.save(state(net), p["file"])
+    floor = node.node  # (its shared file is unlinked once its worker mapped it; its socket dir goes at close)
+    return {"left": [f for f in (floor._file, floor._dir) if f and os.path.exists(f)], "workers_left": len(floor.procs)}
+
+
 def overlap(rank: int, world: int, p: dict) -> dict:
     """Buckets exchanged during the backward (nodes of 1 and 2 workers), then a model whose shared block
     makes a gradient late: both against one process on the union batch (computed by the test).
@@ -397,7 +420,7 @@ def _alive(pid: int) -> bool:
 
 
 SCENARIOS = {"vs_ddp": vs_ddp, "union": union, "overlap": overlap, "accumulate": accumulate, "fault": fault,
-             "cuda_nodes": cuda_nodes}
+             "cuda_nodes": cuda_nodes, "minimal_nodes": minimal_nodes}
 
 
 def main() -> None:

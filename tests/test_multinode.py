@@ -191,6 +191,7 @@ def runs():
         "syncbn_2x2": ("union", 2, dict(workers=[2, 2], buffers="first", sync_bn=True), None),
         "syncbn_1x2": ("union", 2, dict(workers=[1, 2], buffers="average", sync_bn="torch"), None),
         "ddp": ("vs_ddp", 2, {}, None),
+        "floor": ("minimal_nodes", 2, {}, None),
     }, timeout=150)
     yield started
     for run in started.values():
@@ -227,6 +228,34 @@ def test_one_worker_per_node_equals_ddp_bitwise(runs):
     _same(t0["dpool"]["buffers"], t0["ddp"]["buffers"], exact=True)
     _same(t1["dpool"]["buffers"], t1["ddp"]["buffers"], exact=True)
     _same(t0["dpool"]["params"], t1["dpool"]["params"], exact=True)  # ranks stay identical
+
+
+def test_the_cross_node_floor_trains_what_one_process_trains_and_leaves_nothing(runs):
+    """benchmarks/minimal.py's MinimalNode (the benchmark's ``minimal-nodes``, the floor under the cross-node
+    mode's speed) computes the step of one process on the union batch, as the cross-node mode does: its speed
+    bounds that of ``nodes``. Its worker and files go at close."""
+    from benchmarks.workloads import WORKLOADS
+
+    run = runs["floor"]
+    _ok(run)
+    w = WORKLOADS["mlp"]
+    g = torch.Generator().manual_seed(0)
+    data = [w.batch(32, g) for _ in range(3)]
+    torch.manual_seed(0)
+    net = w.make()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    t0, t1 = run.tensors(0), run.tensors(1)
+    for t in (t0, t1):
+        for got, want in zip(t["params"], net.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+    _same(t0["params"], t1["params"], exact=True)  # the two halves add up alike on both ranks
+    _same(t0["grads"], t1["grads"], exact=True)
+    for r in (0, 1):
+        assert run.result(r) == {"left": [], "workers_left": 0}
 
 
 def test_eval_and_no_grad_forwards_issue_no_collectives(runs):
