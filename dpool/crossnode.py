@@ -38,12 +38,12 @@ leaves the master untouched on every node.
 """
 from __future__ import annotations
 
+import datetime
+import functools
 import itertools
 import json
 import logging
 import os
-import queue
-import threading
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -53,7 +53,7 @@ from torch import nn
 from .config import Config
 from .errors import CollectiveDesyncError, DpoolValueError, UnsupportedError
 from .layout import Layout
-from .peers import Peer, Peers, arm_exit_guard
+from .peers import Peer, Peers
 from .reduce import Reducer
 
 __all__ = ["CrossNode", "CrossNodeReducer", "resolve_group", "FORWARD", "BACKWARD"]
@@ -66,6 +66,7 @@ FIRST_BUCKET_BYTES = 1 << 20  # DDP's kDefaultFirstBucketBytes
 BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb=25
 _HEADER_BYTES = 24  # a header: three int64
 _TAG = 0x64706F00  # point-to-point tags of the buckets' swaps: this plus the bucket's index
+_BREAK_TAG = _TAG - 1  # a receive nothing sends: its timeout ends a blocked swap (_break_swap)
 _WRAPS = itertools.count()  # per process: the wrap number in the store namespace (same on every rank)
 
 
@@ -141,11 +142,11 @@ class CrossNode:
                            config.peer_heartbeat_timeout_s, config.peer_timeout_s)
         self.peers.timed_waits = self.comm_device.type == "cpu" and device.type == "cpu"  # gloo on CPU tensors
         self.mask_len = 0
-        self._waiters: list[_Waiter] = []  # (at most one) started by the first exchange()
+        if self._other >= 0 and device.type == "cpu":  # the swaps' receives block: the heartbeat can end them
+            self.peers.breaker = functools.partial(_break_swap, dist, self._other, group)  # (holds no self)
         # close() also when the model is dropped unclosed and at exit: no dpool thread may still be in a
         # torch call when the interpreter finalizes (see Peers.stop)
-        self._closer = weakref.finalize(self, _end_threads, self.peers, self._waiters,
-                                        2 * config.peer_heartbeat_s + 1.0)
+        self._closer = weakref.finalize(self, self.peers.stop)
         self._header: torch.Tensor | None = None
         self._headers: list[torch.Tensor] = []
         if auto and self.rank == 0:
@@ -287,19 +288,15 @@ class CrossNode:
 
         gloo runs an asynchronous collective on a thread of its own, which made a 2-rank all-gather
         cost 390-630 µs on loopback here (1.45-1.55 ms for 1 MiB), while an isend/irecv pair, posted
-        from this thread, took 260-350 µs (680-720 µs) including the hand-over to the waiting thread.
-        A receive cannot be waited for in ticks (gloo closes the connection when a timed wait on it
-        runs out), so a helper thread blocks in it and sets ``into.done``; the caller waits on that
-        event, checking the peers between ticks as for any collective. ``slot`` keeps a step's
-        exchanges apart (gloo matches them by tag).
+        and waited for from this thread, took 150-200 µs (600-670 µs). A receive cannot be waited for
+        in ticks (gloo closes the connection when a timed wait on it runs out), so this thread blocks in
+        it, and the heartbeat thread ends that wait if a failure shows meanwhile (:func:`_break_swap`).
+        ``slot`` keeps a step's exchanges apart (gloo matches them by tag).
         """
         dist, other = self.dist, self._other
         tag = _TAG + slot
         into.prepare((dist.isend(mine, other, group=self.group, tag=tag),
                       dist.irecv(theirs, other, group=self.group, tag=tag)))
-        if not self._waiters:
-            self._waiters.append(_Waiter())
-        self._waiters[0].put(into)
         return into
 
     def fail(self, exc: BaseException) -> None:
@@ -307,80 +304,33 @@ class CrossNode:
         self.peers.fail(exc, self.step)
 
     def close(self) -> None:
-        """Stop the heartbeat and the exchange thread, and wait for both (see :meth:`Peers.stop`)."""
+        """Stop the heartbeat thread and wait for it (see :meth:`Peers.stop`)."""
         self._closer()
 
 
-def _end_threads(peers: Peers, waiters: list[_Waiter], timeout: float) -> None:
-    """:meth:`CrossNode.close`, also run when a model is dropped unclosed, or at exit for one still open."""
-    peers.stop()
-    for w in waiters:
-        w.stop(timeout)
-    waiters.clear()
+def _break_swap(dist: Any, other: int, group: Any) -> None:
+    """End a swap with rank ``other`` that this rank's main thread is blocked in (the heartbeat thread calls it
+    when the other rank aborted, froze or lost the store, or ``peer_timeout_s`` ran out): a receive that
+    nothing will answer, waited for 1 ms, runs out, and gloo then closes every connection of the group, so
+    the blocked receive raises at once. The group is unusable afterwards; the job is over anyway."""
+    try:
+        dist.irecv(torch.empty(1), other, group=group, tag=_BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+    except RuntimeError:
+        pass
 
 
 class Exchange:
-    """One point-to-point swap in flight (:meth:`CrossNode.exchange`), reused step after step.
+    """One point-to-point swap in flight (:meth:`CrossNode.exchange`), reused step after step: its
+    ``works`` (the send's, then the receive's), which :meth:`Peers.wait <dpool.peers.Peers.wait>`
+    waits for in turn."""
 
-    ``done`` is set once both of its works ended; :meth:`wait` then returns, or raises the error
-    gloo gave, as a collective's ``Work.wait()`` does (for :meth:`dpool.peers.Peers.wait`).
-    """
-
-    __slots__ = ("done", "works", "error")
+    __slots__ = ("works",)
 
     def __init__(self) -> None:
-        self.done = threading.Event()
         self.works: tuple[Any, ...] = ()
-        self.error: str | None = None
 
     def prepare(self, works: tuple[Any, ...]) -> None:
-        self.done.clear()
-        self.error = None
         self.works = works
-
-    def wait(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise RuntimeError(self.error)
-
-
-class _Waiter:
-    """A daemon thread that blocks in each exchange's works, in order, and then sets its ``done``."""
-
-    def __init__(self) -> None:
-        self._queue: "queue.SimpleQueue[Exchange | None]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="dpool-exchange", daemon=True)
-        self._thread.start()
-
-    def put(self, ex: Exchange) -> None:
-        self._queue.put(ex)
-
-    def stop(self, timeout: float) -> None:
-        """End the thread once the exchanges before it are done; wait up to ``timeout`` seconds for it.
-
-        One still blocked then is in a failed exchange (a peer is gone): the exit guard ends the
-        process past it, as after any cross-node failure.
-        """
-        self._queue.put(None)
-        if self._thread is threading.current_thread():  # a collection that ran the finalizer on this thread
-            return
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            arm_exit_guard(lambda: None)
-
-    def _run(self) -> None:
-        while True:
-            ex = self._queue.get()
-            if ex is None:
-                return
-            try:
-                for work in ex.works:
-                    work.wait()
-            except Exception as exc:  # gloo: "Connection closed by peer", ...
-                ex.error = str(exc) or type(exc).__name__
-            finally:
-                ex.works = ()
-                ex.done.set()
 
 
 class CrossNodeReducer(Reducer):
@@ -414,7 +364,7 @@ class CrossNodeReducer(Reducer):
     With two nodes a bucket's SUM is a swap and one local add (in rank order, so every rank holds the
     same bytes, equal to the all-reduce's: a sum of two terms does not depend on their order). The
     traffic is the same as a ring all-reduce's at N = 2. CPU masters swap point to point
-    (:meth:`CrossNode.exchange`: 260-350 µs on loopback), CUDA masters with an all-gather (gloo's took
+    (:meth:`CrossNode.exchange`: 150-200 µs on loopback), CUDA masters with an all-gather (gloo's took
     390-630 µs, its all-reduce 1.1-1.4 ms, measured).
 
     Args:

@@ -14,7 +14,10 @@ process that caught a gloo error can block in its teardown or abort with SIGABRT
   ring neighbours fail fast too, and a local failure is reported on every node with its cause.
 * **Bounded waits.** :meth:`Peers.wait` waits for a collective a quarter heartbeat at a time
   (gloo's own bounded wait, or a completion event for NCCL), checking between ticks, instead of
-  blocking in it. It raises :class:`~dpool.errors.PeerLostError` for a closed connection or an abort key, and
+  blocking in it. A point-to-point swap's receive cannot be waited for in ticks (gloo closes the
+  connection when such a wait runs out): the main thread blocks in it, the heartbeat thread runs the
+  same checks a quarter beat apart, and on a failure ends the wait (a throwaway receive that times out
+  makes gloo close the group's connections, so the blocked one raises). It raises :class:`~dpool.errors.PeerLostError` for a closed connection or an abort key, and
   :class:`~dpool.errors.PeerTimeoutError` for silence or ``peer_timeout_s``. A lost rank is named:
   the abort key, the ranks' own ``gone`` keys, a dead pid on this host, or a stopped heartbeat.
 * **The exit guard.** After a cross-node failure a gloo operation may still be pending, and
@@ -101,6 +104,11 @@ class Peers:
         self.timed_waits = False  # gloo on CPU tensors: see wait()
         self._tick = datetime.timedelta(seconds=interval_s / 4)
         self.waited_s = 0.0  # time spent waiting for collectives (the cross-node time a step did not hide)
+        # a point-to-point swap blocks the main thread in gloo's receive (see wait()): ``breaker`` ends
+        # it; the heartbeat thread calls it when a failure shows before ``_swap_deadline``'s swap is done
+        self.breaker: Callable[[], None] | None = None
+        self._swap_deadline: float | None = None
+        self._broke = False
 
     # ------------------------------------------------------------------ heartbeat thread
     def start(self) -> None:
@@ -126,12 +134,32 @@ class Peers:
         self._tick_at = time.monotonic()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self._beat_once()
-            except Exception as exc:  # the store is gone (its host died) or refused: a peer-loss signal
-                self._store_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        tick = self.interval_s / 4
+        beat_at = time.monotonic() + self.interval_s
+        while not self._stop.wait(tick):  # a quarter beat: a blocked swap is watched at that pace
+            if time.monotonic() >= beat_at:
+                beat_at += self.interval_s
+                try:
+                    self._beat_once()
+                except Exception as exc:  # the store is gone (its host died) or refused: a peer-loss signal
+                    self._store_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    self._watch_swap()
+                    return
+            self._watch_swap()
+
+    def _watch_swap(self) -> None:
+        """End the swap the main thread is blocked in if a failure shows (see :meth:`_wait_swap`)."""
+        deadline = self._swap_deadline
+        if deadline is None or self._broke or self.breaker is None:
+            return
+        try:
+            self.check("", 0)
+            if time.monotonic() <= deadline:
                 return
+        except (PeerLostError, PeerTimeoutError):
+            pass
+        self._broke = True
+        self.breaker()
 
     @property
     def healthy(self) -> bool:
@@ -175,14 +203,38 @@ class Peers:
         and a ``wait()`` that raises the work's error once it is set (a point-to-point exchange).
         """
         start = time.monotonic()
-        done = getattr(work, "done", None)  # an exchange's (dpool.crossnode.Exchange)
+        works = getattr(work, "works", None)  # a point-to-point swap's (dpool.crossnode.Exchange)
         try:
-            if done is None and self.timed_waits:
+            if works is not None:
+                self._wait_swap(works, doing, step, start + self.timeout_s)
+            elif self.timed_waits:
                 self._wait_timed(work, doing, step, start + self.timeout_s)
             else:
-                self._wait_event(work, done, doing, step, start + self.timeout_s)
+                self._wait_event(work, None, doing, step, start + self.timeout_s)
         finally:
             self.waited_s += time.monotonic() - start
+
+    def _wait_swap(self, works: tuple[Any, ...], doing: str, step: int, deadline: float) -> None:
+        """Wait in a swap's send, then its receive, on this thread: a receive cannot be waited for in ticks
+        (gloo closes the connection when a timed wait on one runs out), and a helper thread that blocked in
+        it cost a hand-over per swap (0.2-0.3 ms of a probe step, docs/performance.md). Meanwhile the
+        heartbeat thread runs this wait's checks a quarter beat apart and, on a failure or at ``deadline``,
+        ends the wait with :attr:`breaker`; the error raised then is the one the checks name."""
+        self.check(doing, step)  # what is known already: no blocking
+        self._broke = False
+        self._swap_deadline = deadline
+        error: RuntimeError | None = None
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", a pair closed by the breaker, ...
+            error = exc
+        finally:
+            self._swap_deadline = None
+        if error is None and not self._broke:
+            return
+        self._tick_checks(doing, step, deadline)  # the abort key, a silent peer or store, peer_timeout_s
+        raise self._lost(str(error) if error is not None else "", doing, step) from None
 
     def _wait_timed(self, work: Any, doing: str, step: int, deadline: float) -> None:
         while True:

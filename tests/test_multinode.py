@@ -388,7 +388,7 @@ def test_no_sync_accumulates_then_averages_once(runs):
     for r in (0, 1):
         assert run.result(r)["inside"] == 0  # no collective inside no_sync()
         assert "no_sync() in cross-node mode with hooks on the model's parameters" in run.result(r)["hooked"]
-        assert run.result(r)["threads_left"] == []  # close() joined the heartbeat and exchange threads
+        assert run.result(r)["threads_left"] == []  # close() joined the heartbeat thread
         # (and the second model, left open, did not abort the exit: _ok above)
         t = run.tensors(r)
         # the master's .grad waits for the synced backward: zero markers meanwhile (dpool/accumulate.py)
