@@ -17,7 +17,8 @@ process that caught a gloo error can block in its teardown or abort with SIGABRT
   blocking in it. A point-to-point swap's receive cannot be waited for in ticks (gloo closes the
   connection when such a wait runs out): the main thread blocks in it, the heartbeat thread runs the
   same checks a quarter beat apart, and on a failure ends the wait (a throwaway receive that times out
-  makes gloo close the group's connections, so the blocked one raises). It raises :class:`~dpool.errors.PeerLostError` for a closed connection or an abort key, and
+  makes gloo close the group's connections, so the blocked one raises). It raises
+  :class:`~dpool.errors.PeerLostError` for a closed connection or an abort key, and
   :class:`~dpool.errors.PeerTimeoutError` for silence or ``peer_timeout_s``. A lost rank is named:
   the abort key, the ranks' own ``gone`` keys, a dead pid on this host, or a stopped heartbeat.
 * **The exit guard.** After a cross-node failure a gloo operation may still be pending, and
@@ -199,8 +200,8 @@ class Peers:
         Checks run every quarter heartbeat. With ``timed_waits`` (gloo on CPU tensors) the wait is gloo's
         own, bounded by that tick: the caller wakes straight from gloo's thread. Otherwise (NCCL, whose
         ``wait()`` only orders streams) a completion callback sets an event: one more thread hand-over,
-        measured ~0.1 ms per collective on loopback. ``work`` may also be anything with a ``done`` event
-        and a ``wait()`` that raises the work's error once it is set (a point-to-point exchange).
+        measured ~0.1 ms per collective on loopback. ``work`` may also be a point-to-point swap
+        (:class:`dpool.crossnode.Exchange`), whose works this thread blocks in: see :meth:`_wait_swap`.
         """
         start = time.monotonic()
         works = getattr(work, "works", None)  # a point-to-point swap's (dpool.crossnode.Exchange)
@@ -210,14 +211,14 @@ class Peers:
             elif self.timed_waits:
                 self._wait_timed(work, doing, step, start + self.timeout_s)
             else:
-                self._wait_event(work, None, doing, step, start + self.timeout_s)
+                self._wait_event(work, doing, step, start + self.timeout_s)
         finally:
             self.waited_s += time.monotonic() - start
 
     def _wait_swap(self, works: tuple[Any, ...], doing: str, step: int, deadline: float) -> None:
         """Wait in a swap's send, then its receive, on this thread: a receive cannot be waited for in ticks
         (gloo closes the connection when a timed wait on one runs out), and a helper thread that blocked in
-        it cost a hand-over per swap (0.2-0.3 ms of a probe step, docs/performance.md). Meanwhile the
+        it cost a hand-over per swap (0.2-1.1 ms of a probe step, docs/performance.md). Meanwhile the
         heartbeat thread runs this wait's checks a quarter beat apart and, on a failure or at ``deadline``,
         ends the wait with :attr:`breaker`; the error raised then is the one the checks name."""
         self.check(doing, step)  # what is known already: no blocking
@@ -250,10 +251,9 @@ class Peers:
                         raise self._lost(str(exc), doing, step) from None
             self._tick_checks(doing, step, deadline)
 
-    def _wait_event(self, work: Any, done: threading.Event | None, doing: str, step: int, deadline: float) -> None:
-        if done is None:
-            done = threading.Event()  # set by the backend's thread when the work completes: no polling latency
-            work.get_future().add_done_callback(lambda _: done.set())
+    def _wait_event(self, work: Any, doing: str, step: int, deadline: float) -> None:
+        done = threading.Event()  # set by the backend's thread when the work completes: no polling latency
+        work.get_future().add_done_callback(lambda _: done.set())
         while not done.wait(self.interval_s / 4):
             self._tick_checks(doing, step, deadline)
         try:
