@@ -163,12 +163,7 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
         waited = model._nodes.waited_s if nodes else 0.0
         reducer = model._runtime.reducer if nodes else None
         early = reducer.early if reducer is not None else 0
-        if floor:
-            t0 = time.perf_counter()
-            train(model, opt, data, steps)
-            elapsed = time.perf_counter() - t0
-        else:
-            elapsed = _steps(model, opt, w.loss, data, steps)
+        elapsed = train(model, opt, data, steps) if floor else _steps(model, opt, w.loss, data, steps)
         if ddp:
             dist.barrier()
         conn.send((elapsed, (model._nodes.waited_s - waited) if nodes else 0.0,
@@ -242,9 +237,7 @@ class MinimalRunner:
         from benchmarks.minimal import train
 
         torch.set_num_threads(1)  # as dpool holds its coordinator to one thread
-        t0 = time.perf_counter()
-        train(self.model, self.opt, self.data, steps)
-        return time.perf_counter() - t0
+        return train(self.model, self.opt, self.data, steps)
 
     def close(self) -> None:
         self.model.close()

@@ -281,10 +281,10 @@ class CrossNode:
         self.peers.wait(self.dist.all_reduce(t, group=self.group, async_op=True), doing, self.step)
         self.collectives += 1
 
-    def exchange(self, mine: torch.Tensor, theirs: torch.Tensor, slot: int, into: "Exchange") -> "Exchange":
+    def exchange(self, mine: torch.Tensor, theirs: torch.Tensor, slot: int) -> tuple[Any, Any]:
         """Two ranks, CPU tensors: send ``mine`` to the other rank and receive its ``theirs``, as a
-        point-to-point pair (gloo's ``isend``/``irecv``). ``into`` (made once by the caller) is returned,
-        to be waited for with :meth:`Peers.wait <dpool.peers.Peers.wait>`.
+        point-to-point pair (gloo's ``isend``/``irecv``). Returns the send's and the receive's works, a
+        swap to be waited for with :meth:`Peers.wait <dpool.peers.Peers.wait>`.
 
         gloo runs an asynchronous collective on a thread of its own, which made a 2-rank all-gather
         cost 390-630 µs on loopback here (1.45-1.55 ms for 1 MiB), while an isend/irecv pair, posted
@@ -295,9 +295,8 @@ class CrossNode:
         """
         dist, other = self.dist, self._other
         tag = _TAG + slot
-        into.prepare((dist.isend(mine, other, group=self.group, tag=tag),
-                      dist.irecv(theirs, other, group=self.group, tag=tag)))
-        return into
+        return (dist.isend(mine, other, group=self.group, tag=tag),
+                dist.irecv(theirs, other, group=self.group, tag=tag))
 
     def fail(self, exc: BaseException) -> None:
         """This rank failed a synchronised call: every other rank learns it within a heartbeat tick."""
@@ -317,20 +316,6 @@ def _break_swap(dist: Any, other: int, group: Any) -> None:
         dist.irecv(torch.empty(1), other, group=group, tag=_BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
     except RuntimeError:
         pass
-
-
-class Exchange:
-    """One point-to-point swap in flight (:meth:`CrossNode.exchange`), reused step after step: its
-    ``works`` (the send's, then the receive's), which :meth:`Peers.wait <dpool.peers.Peers.wait>`
-    waits for in turn."""
-
-    __slots__ = ("works",)
-
-    def __init__(self) -> None:
-        self.works: tuple[Any, ...] = ()
-
-    def prepare(self, works: tuple[Any, ...]) -> None:
-        self.works = works
 
 
 class CrossNodeReducer(Reducer):
@@ -393,10 +378,9 @@ class CrossNodeReducer(Reducer):
                 self.members.append([i for i, f in zip(idxs, first) if f < b and f + self.params[i].numel() > a])
         self._pairs: list[list[torch.Tensor] | None] = [None] * len(self.plan)  # all-gather outputs, made once
         # two nodes of CPU masters swap each bucket point to point (CrossNode.exchange): its receive
-        # buffer and exchange, made once
+        # buffer, made once
         self.p2p = nodes.size == 2 and device.type == "cpu"
         self._recvs: list[torch.Tensor | None] = [None] * len(self.plan)
-        self._exchanges = [Exchange() for _ in self.plan] if self.p2p else []
         self._pre = 1 + len(self.params)  # the trailer: late flag, then one "used" value per parameter
         # the folded header: 24 bytes behind the first bucket (the end of the first group), in its dtype's
         # elements. CPU masters only: the CUDA path keeps the header it was verified with on a GPU
@@ -484,7 +468,7 @@ class CrossNodeReducer(Reducer):
             if theirs is None:  # (a bucket's size, with its trailer and header, is fixed by the plan)
                 theirs = self._recvs[j] = torch.empty_like(out)
             pair = [out, theirs] if nodes.rank == 0 else [theirs, out]  # in rank order
-            self._works.append((nodes.exchange(out, theirs, j, self._exchanges[j]), out, pair))
+            self._works.append((nodes.exchange(out, theirs, j), out, pair))
         elif nodes.size == 2:
             outs = self._pairs[j]
             if outs is None:

@@ -200,14 +200,14 @@ class Peers:
         Checks run every quarter heartbeat. With ``timed_waits`` (gloo on CPU tensors) the wait is gloo's
         own, bounded by that tick: the caller wakes straight from gloo's thread. Otherwise (NCCL, whose
         ``wait()`` only orders streams) a completion callback sets an event: one more thread hand-over,
-        measured ~0.1 ms per collective on loopback. ``work`` may also be a point-to-point swap
-        (:class:`dpool.crossnode.Exchange`), whose works this thread blocks in: see :meth:`_wait_swap`.
+        measured ~0.1 ms per collective on loopback. ``work`` may also be a point-to-point swap (a tuple
+        of works, :meth:`dpool.crossnode.CrossNode.exchange`), which this thread blocks in: see
+        :meth:`_wait_swap`.
         """
         start = time.monotonic()
-        works = getattr(work, "works", None)  # a point-to-point swap's (dpool.crossnode.Exchange)
         try:
-            if works is not None:
-                self._wait_swap(works, doing, step, start + self.timeout_s)
+            if isinstance(work, tuple):
+                self._wait_swap(work, doing, step, start + self.timeout_s)
             elif self.timed_waits:
                 self._wait_timed(work, doing, step, start + self.timeout_s)
             else:
