@@ -595,8 +595,11 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
     time the coordinator spins (dpool.pool) counts as CPU time without being work per worker. Each count
     is measured on two pools: the loss computed on the gathered output (two rounds a step: forward, then
     backward), and the loss on the workers (``gather=False`` with ``dpool.criterion``: one round a step).
-    The bare columns are two round trips to as many Python peers that answer at once: over ZeroMQ as
-    dpool's control channel uses it, and over plain ``AF_UNIX`` sockets, which have no I/O thread.
+    Beside each mode, its floor: ``minimal`` (two rounds) and ``minimal-loss`` (one round) of
+    benchmarks/minimal.py at the same worker count, the least code with dpool's design. The floor sleeps in
+    its poll (it does not spin), so its slope compares with the ``DPOOL_WAIT_SPIN_US=0`` column. The bare
+    columns are two round trips to as many Python peers that answer at once: over ZeroMQ as dpool's control
+    channel uses it, and over plain ``AF_UNIX`` sockets, which have no I/O thread.
     """
     import dpool
 
@@ -608,6 +611,8 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
                                                      for s in (True, False)}
     wall: dict[tuple[int, str], list[float]] = {(n, m): [] for n in counts for m in modes}
     bare: dict[tuple[int, str], list[float]] = {(n, k): [] for n in counts for k in ("zmq", "unix")}
+    floors: dict[tuple[int, str], MinimalRunner] = {}
+    floor_cpu: dict[tuple[int, str], list[float]] = {(n, m): [] for n in counts for m in modes}
     try:
         for n in counts:
             for mode in modes:
@@ -616,6 +621,8 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
                 loss = w.loss if mode == "gathered" else dpool.criterion(torch.nn.CrossEntropyLoss())
                 pools[n, mode] = (model, torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9), loss)
                 _steps(pools[n, mode][0], pools[n, mode][1], loss, data, 20)
+                floors[n, mode] = MinimalRunner(w, n, loss_on_workers=mode == "loss")
+                floors[n, mode].run(20)
         for _ in range(repeats):
             for n in counts:
                 for mode in modes:
@@ -630,6 +637,9 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
                         if spinning:
                             wall[n, mode].append(took / steps)
                     pool.spin_s = spin
+                    c0 = time.process_time()
+                    floors[n, mode].run(steps)
+                    floor_cpu[n, mode].append((time.process_time() - c0) / steps)
                 for kind, make in (("zmq", _BareZmq), ("unix", _BareUnix)):
                     b = make(n)
                     try:
@@ -639,12 +649,16 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
     finally:
         for model, _, _ in pools.values():
             model.close()
+        for floor in floors.values():
+            floor.close()
     med = statistics.median
     lines = ["| workers | coordinator CPU ms/step | wall ms/step | CPU ms/step, DPOOL_WAIT_SPIN_US=0 "
+             "| floor (`minimal`): CPU ms/step "
              "| loss on the workers: CPU ms/step | wall ms/step | CPU ms/step, DPOOL_WAIT_SPIN_US=0 "
-             "| bare ZeroMQ, 2 rounds: CPU ms | bare AF_UNIX, 2 rounds: CPU ms |", "|---" * 9 + "|"]
+             "| floor (`minimal-loss`): CPU ms/step "
+             "| bare ZeroMQ, 2 rounds: CPU ms | bare AF_UNIX, 2 rounds: CPU ms |", "|---" * 11 + "|"]
     lines += ["| " + " | ".join([str(n)] + [f"{med(v) * 1e3:.3f}" for m in modes
-                                             for v in (cpu[n, m, True], wall[n, m], cpu[n, m, False])]
+                                             for v in (cpu[n, m, True], wall[n, m], cpu[n, m, False], floor_cpu[n, m])]
                                + [f"{med(bare[n, k]) * 1e3:.3f}" for k in ("zmq", "unix")]) + " |"
               for n in counts]
     n0, n1 = counts[0], counts[-1]
@@ -654,7 +668,8 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
 
         lines.append(f"| per added worker ({n0}→{n1}), median (min–max) of {repeats} repeats | "
                      + " | ".join(f"{slopes(cpu, (n0, m, True), (n1, m, True))} | "
-                                  f"| {slopes(cpu, (n0, m, False), (n1, m, False))}" for m in modes)
+                                  f"| {slopes(cpu, (n0, m, False), (n1, m, False))} "
+                                  f"| {slopes(floor_cpu, (n0, m), (n1, m))}" for m in modes)
                      + f" | {slopes(bare, (n0, 'zmq'), (n1, 'zmq'))} | {slopes(bare, (n0, 'unix'), (n1, 'unix'))} |")
     return "\n".join(lines)
 

@@ -59,15 +59,17 @@ def test_benchmark_balance_demo_smoke():
 
 def test_benchmark_per_worker_smoke():
     """--per-worker: the coordinator's CPU per probe step at each worker count (with dpool's defaults and
-    without the spin through short rounds; the loss on the gathered output and on the workers), beside two
-    bare transports' (ZeroMQ, AF_UNIX)."""
+    without the spin through short rounds; the loss on the gathered output and on the workers), beside each
+    mode's floor (minimal, minimal-loss) and two bare transports' (ZeroMQ, AF_UNIX)."""
     res = _run(["benchmarks/bench.py", "--smoke", "--per-worker"])
     assert res.returncode == 0, res.stderr
     rows = [line.split("|")[1:-1] for line in res.stdout.splitlines() if line.startswith("| ")]
     counts = [r[0].strip() for r in rows[1:]]
     assert counts[:2] == ["1", "2"] and counts[2].startswith("per added worker (1→2)"), res.stdout
+    assert "floor (`minimal`)" in rows[0][4] and "floor (`minimal-loss`)" in rows[0][8], res.stdout
     for r in rows[1:3]:
-        assert len(r) == 9 and all(float(c) > 0 for c in r[1:]), res.stdout
+        assert len(r) == 11 and all(float(c) > 0 for c in r[1:]), res.stdout
+    assert len(rows[3]) == 11, res.stdout
 
 
 def test_benchmark_attach_demo_smoke():
