@@ -950,7 +950,7 @@ class Runtime:
         state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
         rows = f.rows()
         self.stats.forward(rows, [replies[s].busy for s in range(f.k)], sum(nbytes(t) for sh in f.shards for t in sh),
-                           sum(meta_nbytes(m) for ms in out_metas for m in ms))
+                           sum(meta_nbytes(m) for ms in out_metas for m in ms) if self.gather_outputs else 0)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: forward of %d shards (rows %s), workers busy %s ms", pool.step, f.k, rows,
                       [round(replies[s].busy * 1e3, 2) for s in range(f.k)])
@@ -1197,6 +1197,7 @@ class Runtime:
         replies = self._fetch_round(lambda s, ref: P.Fetch(state.call, ref), "out", sizes, "returning outputs",
                                     "gather")
         state.metas = [replies[s].tensors for s in range(state.k)]
+        self.stats.bytes["outputs"] += sum(meta_nbytes(m) for ms in state.metas for m in ms)
         state.outs = [self.io.segment(s, "out") for s in range(state.k)]
         idx = [i for i, p in enumerate(self.params) if p.requires_grad]
         grad_inputs = handle._diff_inputs + [self.params[i] for i in idx]

@@ -338,7 +338,9 @@ class Forward(Message):
     whose autograd graphs the coordinator no longer needs. ``seed`` was drawn
     from the coordinator's generator; the shard seeds its own generator from it.
     ``together``: ``[]``, or ``[round, shards, offset]``: reply together with the round's other
-    shards (see :data:`TOGETHER_WAIT_S`).
+    shards (see :data:`TOGETHER_WAIT_S`). ``keep`` (``gather=False``): the outputs stay on the worker,
+    which writes none of them into ``outputs``; its reply's metas say only their dtype, shape and
+    ``requires_grad`` (offset 0), and a later :class:`Fetch` returns them.
     """
 
     call: int

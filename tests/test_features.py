@@ -1067,6 +1067,34 @@ def test_stats_report_timings_shards_restarts_and_bytes(wrap):
                                     "param_grads": (8 + 2) * 4 * 2}  # each worker's slot: weight and bias
 
 
+def test_outputs_kept_on_the_workers_are_not_copied_until_gathered(wrap):
+    """With gather=False the outputs stay on the workers. A training step with dpool.criterion copies none of
+    them into shared memory: each worker's output segment keeps its first size (1 MiB) though a shard's
+    output is 2.5 MiB, and stats() counts no output bytes. It trains as one process does, and out.gather()
+    then fetches the outputs, equal to one process's, and counts them."""
+    torch.manual_seed(0)
+    net = nn.Linear(8, 40_000).double()
+    ref = copy.deepcopy(net)
+    model = wrap(net, ["cpu", "cpu"], gather=False)
+    crit = dpool.criterion(nn.CrossEntropyLoss())
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 40_000, (16,))
+    for _ in range(2):
+        loss, rloss = crit(model(x), y), F.cross_entropy(ref(x), y)
+        loss.backward()
+        rloss.backward()
+        torch.testing.assert_close(loss, rloss)
+        for p, rp in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, rp.grad)
+            p.grad, rp.grad = None, None
+        io = model._runtime.io
+        assert [io.segment(s, "out").size for s in range(2)] == [1 << 20] * 2
+        assert model.stats()["bytes_per_step"]["outputs"] == 0
+    with torch.no_grad():
+        full = model(x).gather()
+    torch.testing.assert_close(full, ref(x))
+    assert model.stats()["bytes_per_step"]["outputs"] == 16 * 40_000 * 8
+
+
 def test_stats_split_each_round_into_request_handler_and_reply(wrap):
     """Each round's wall time is split per worker on the clock all processes share: the request's way there,
     the handler, the reply's way back. The three parts of every worker fit inside the round; a backward the

@@ -42,7 +42,7 @@ import torch
 from dpool import tree as _tree
 from dpool.loss import split_loss
 from dpool import protocol as P
-from dpool.tensors import DTYPES, Placer, check_tensor, from_bytes, meta_nbytes, read
+from dpool.tensors import DTYPES, Placer, check_tensor, dtype_name, from_bytes, meta_nbytes, read
 from dpool.transport import attach
 from dpool.transport.base import standalone
 from dpool.transport.shm import Mapped
@@ -528,6 +528,13 @@ class Replica:
         differentiable = msg.grad and any(t.requires_grad for t in outs)
         if differentiable or msg.keep:
             self.calls[msg.call] = _Call(outs, leaves, msg.world, out if msg.keep else None)
+        if msg.keep:  # gather=False: the outputs stay here (a later gather fetches them); only what they are
+            self.stage = "idle"  # travels (dtype, shape, requires_grad: the loss's dtype, its denominator)
+            self._sync()
+            metas = [P.TensorMeta(dtype_name(t.dtype), list(t.shape), 0, bool(msg.grad and t.requires_grad))
+                     for t in outs]
+            return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.monotonic() - t0, t0, rebound,
+                                 attributes)
         placer = Placer()
         offsets = [placer.reserve(t) for t in outs]
         if placer.offset > msg.outputs[1]:
