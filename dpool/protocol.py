@@ -547,10 +547,10 @@ class ForwardCriterion(Message):
 
 @_message("forward_criterion_done", forward=_LIST, criterion_op=_STR, criterion=_LIST)
 class ForwardCriterionDone(Message):
-    """``forward``: the :class:`ForwardDone`'s fields (``need > 0``: the outputs did not fit their segment, and
-    the coordinator fetches them next, as after any forward). ``criterion_op`` names what ``criterion`` holds
-    the fields of: ``"criterion_done"`` (:class:`CriterionDone`) or ``"failed"`` (the loss raised:
-    :class:`Failed`)."""
+    """``forward``: the :class:`ForwardDone`'s fields (the forward keeps its outputs on the worker, so its
+    metas say only what they are and ``need`` is 0: see :class:`Forward`'s ``keep``). ``criterion_op``
+    names what ``criterion`` holds the fields of: ``"criterion_done"`` (:class:`CriterionDone`) or
+    ``"failed"`` (the loss raised: :class:`Failed`)."""
 
     forward: list
     criterion_op: str

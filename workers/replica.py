@@ -804,7 +804,7 @@ class Replica:
     def forward_criterion(self, msg: P.ForwardCriterion) -> P.Message:
         """A deferred forward and its loss (``dpool.coordinator._Deferred``): the forward's failure is the
         request's; the loss's is reported beside the forward's reply, which the coordinator commits first."""
-        done = self.forward(P.inner("forward", msg.forward))  # (outputs that did not fit are kept all the same)
+        done = self.forward(P.inner("forward", msg.forward))  # (a kept forward's: its outputs stay here)
         try:
             loss = self.criterion(P.inner("criterion", msg.criterion))
         except Exception as exc:
