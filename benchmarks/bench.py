@@ -611,7 +611,7 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
                                                      for s in (True, False)}
     wall: dict[tuple[int, str], list[float]] = {(n, m): [] for n in counts for m in modes}
     bare: dict[tuple[int, str], list[float]] = {(n, k): [] for n in counts for k in ("zmq", "unix")}
-    floors: dict[tuple[int, str], MinimalRunner] = {}
+    floors: dict[int, MinimalRunner] = {}  # one per count: its workers serve both kinds of step
     floor_cpu: dict[tuple[int, str], list[float]] = {(n, m): [] for n in counts for m in modes}
     try:
         for n in counts:
@@ -621,8 +621,10 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
                 loss = w.loss if mode == "gathered" else dpool.criterion(torch.nn.CrossEntropyLoss())
                 pools[n, mode] = (model, torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9), loss)
                 _steps(pools[n, mode][0], pools[n, mode][1], loss, data, 20)
-                floors[n, mode] = MinimalRunner(w, n, loss_on_workers=mode == "loss")
-                floors[n, mode].run(20)
+            floors[n] = MinimalRunner(w, n, loss_on_workers=False)
+            for mode in modes:
+                floors[n].model.loss_on_workers = mode == "loss"
+                floors[n].run(20)
         for _ in range(repeats):
             for n in counts:
                 for mode in modes:
@@ -637,8 +639,9 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
                         if spinning:
                             wall[n, mode].append(took / steps)
                     pool.spin_s = spin
+                    floors[n].model.loss_on_workers = mode == "loss"  # minimal-loss, else minimal
                     c0 = time.process_time()
-                    floors[n, mode].run(steps)
+                    floors[n].run(steps)
                     floor_cpu[n, mode].append((time.process_time() - c0) / steps)
                 for kind, make in (("zmq", _BareZmq), ("unix", _BareUnix)):
                     b = make(n)

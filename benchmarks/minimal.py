@@ -115,6 +115,7 @@ class Minimal:
         rows: rows per worker per step (the global batch is ``workers * rows``).
         x_shape, x_dtype: one input row's shape and dtype.
         loss_on_workers: one round a step with the loss on the workers; otherwise two, with the loss here.
+            The attribute of that name may be changed between steps: the workers serve both kinds.
     """
 
     def __init__(self, wname: str, net: torch.nn.Module, workers: int, rows: int, x_shape: tuple[int, ...],
