@@ -529,20 +529,18 @@ class Replica:
         if differentiable or msg.keep:
             self.calls[msg.call] = _Call(outs, leaves, msg.world, out if msg.keep else None)
         if msg.keep:  # gather=False: the outputs stay here (a later gather fetches them); only what they are
-            self.stage = "idle"  # travels (dtype, shape, requires_grad: the loss's dtype, its denominator)
-            self._sync()
+            # travels (dtype, shape, requires_grad: the loss's dtype, its denominator)
             metas = [P.TensorMeta(dtype_name(t.dtype), list(t.shape), 0, bool(msg.grad and t.requires_grad))
                      for t in outs]
-            return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.monotonic() - t0, t0, rebound,
-                                 attributes)
-        placer = Placer()
-        offsets = [placer.reserve(t) for t in outs]
-        if placer.offset > msg.outputs[1]:
-            self.unfetched[msg.call] = (outs, msg.grad)
-            return P.ForwardDone(msg.call, spec, [], placer.offset, list(self._bn_counts), time.monotonic() - t0, t0,
-                                 rebound, attributes)
-        out_seg = self.segs["out"]
-        metas = [Placer.write(out_seg.views, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
+        else:
+            placer = Placer()
+            offsets = [placer.reserve(t) for t in outs]
+            if placer.offset > msg.outputs[1]:
+                self.unfetched[msg.call] = (outs, msg.grad)
+                return P.ForwardDone(msg.call, spec, [], placer.offset, list(self._bn_counts), time.monotonic() - t0,
+                                     t0, rebound, attributes)
+            out_seg = self.segs["out"]
+            metas = [Placer.write(out_seg.views, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
         self.stage = "idle"
         self._sync()
         return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.monotonic() - t0, t0, rebound,
