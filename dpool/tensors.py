@@ -17,7 +17,7 @@ from .errors import DpoolTypeError
 from .protocol import TensorMeta
 from .transport import align
 
-__all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer", "to_bytes", "from_bytes", "dense_strides"]
+__all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer", "to_bytes", "from_bytes", "dense_strides", "describe"]
 
 _CANDIDATES = [
     "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
@@ -111,11 +111,16 @@ class Placer:
     @staticmethod
     def write(views: Any, offset: int, t: torch.Tensor, requires_grad: bool = False) -> TensorMeta:
         """Copy ``t`` into the segment whose view cache is ``views``; return its meta."""
-        name = dtype_name(t.dtype)
-        shape = list(t.shape)
+        meta = describe(t, offset, requires_grad)
         if t.numel():
-            views.view(offset, t.dtype, shape).copy_(t.detach())
-        return TensorMeta(name, shape, offset, bool(requires_grad))
+            views.view(offset, t.dtype, meta.shape).copy_(t.detach())
+        return meta
+
+
+def describe(t: torch.Tensor, offset: int = 0, requires_grad: bool = False) -> TensorMeta:
+    """The meta of ``t`` placed at ``offset`` (what :meth:`Placer.write` returns, without the copy: a kept
+    output's, which stays where it is)."""
+    return TensorMeta(dtype_name(t.dtype), list(t.shape), offset, bool(requires_grad))
 
 
 def read(views: Any, meta: TensorMeta) -> torch.Tensor:

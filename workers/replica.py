@@ -42,7 +42,7 @@ import torch
 from dpool import tree as _tree
 from dpool.loss import split_loss
 from dpool import protocol as P
-from dpool.tensors import DTYPES, Placer, check_tensor, dtype_name, from_bytes, meta_nbytes, read
+from dpool.tensors import DTYPES, Placer, check_tensor, describe, from_bytes, meta_nbytes, read
 from dpool.transport import attach
 from dpool.transport.base import standalone
 from dpool.transport.shm import Mapped
@@ -530,8 +530,7 @@ class Replica:
             self.calls[msg.call] = _Call(outs, leaves, msg.world, out if msg.keep else None)
         if msg.keep:  # gather=False: the outputs stay here (a later gather fetches them); only what they are
             # travels (dtype, shape, requires_grad: the loss's dtype, its denominator)
-            metas = [P.TensorMeta(dtype_name(t.dtype), list(t.shape), 0, bool(msg.grad and t.requires_grad))
-                     for t in outs]
+            metas = [describe(t, 0, msg.grad and t.requires_grad) for t in outs]
         else:
             placer = Placer()
             offsets = [placer.reserve(t) for t in outs]
