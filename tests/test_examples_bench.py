@@ -72,6 +72,20 @@ def test_benchmark_per_worker_smoke():
     assert len(rows[3]) == 11, res.stdout
 
 
+def test_cold_code_benchmark_smoke(capsys):
+    """benchmarks/cold.py: every setup's step, back to back and after each kind of gap, in one table (in this
+    process, so the leak check sees its pools)."""
+    from benchmarks import cold
+
+    assert cold.main(["--setups", "single,dpool,dpool-loss", "--gaps", "1", "--steps", "3", "--repeats", "1"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [c.strip() for c in rows[0]] == ["probe", "back to back", "sleep 1 ms", "spin 1 ms"], rows
+    assert [r[0].strip() for r in rows[1:]] == ["single", "dpool", "dpool-loss", "dpool − single",
+                                                "dpool-loss − single"], rows
+    for r in rows[1:4]:
+        assert all(float(c) > 0 for c in r[1:]), rows
+
+
 def test_benchmark_attach_demo_smoke():
     res = _run(["benchmarks/bench.py", "--smoke", "--attach-demo"])
     assert res.returncode == 0, res.stderr

@@ -1,0 +1,136 @@
+"""How a step's time depends on how long ago its code last ran: the same training step back to back, and
+after an idle gap before each step.
+
+``bench.py`` times steps back to back. A tiny step (the probe's, ~0.2 ms in one process) then finds its
+code and data still in the CPU's caches; a larger model's step (the mlp's, ~12 ms on the workers) does
+not: the coordinator's code for step ``t + 1`` last ran a whole round ago. This script measures what that
+costs on the machine it runs on, by putting a gap of ``--gaps`` milliseconds before every timed step,
+either sleeping (``time.sleep``) or spinning in Python, and reports the median time of the step itself.
+
+On the 2-core KVM host of the README's tables the single-process probe step took 0.20 ms back to back and
+0.9-1.0 ms after a 12 ms gap, slept or spun alike: code that has not run for a few milliseconds runs
+several times slower there, whatever ran in between (docs/performance.md, session 45). The framework cost
+of a dpool step, and the cost of the coordinator's work between a larger model's rounds, grow the same way.
+
+    python benchmarks/cold.py                       # probe: single process, dpool, dpool-loss
+    python benchmarks/cold.py --workloads probe,mlp --gaps 0,2,12 --repeats 4
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmarks.bench import batches
+from benchmarks.workloads import WORKLOADS, Workload
+
+__all__ = ["main"]
+
+SETUPS = ("single", "dpool", "dpool-loss")
+
+
+def _gap(kind: str, seconds: float) -> None:
+    """Idle for ``seconds`` before a step: ``sleep`` gives the core away, ``spin`` keeps it in a Python loop."""
+    if seconds <= 0:
+        return
+    if kind == "sleep":
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _trainer(setup: str, w: Workload, workers: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(one training step, close) of ``setup`` on workload ``w``."""
+    import dpool
+
+    torch.manual_seed(0)
+    x, y = batches(w, w.global_batch, 0)[0]
+    net = w.make()
+    if setup == "single":
+        model, loss, close = net, w.loss, (lambda: None)
+    elif setup == "dpool":
+        model = dpool.wrap(net, ["cpu"] * workers)
+        loss, close = w.loss, model.close
+    else:  # dpool-loss: the loss on the workers, one round a step
+        model = dpool.wrap(net, ["cpu"] * workers, gather=False)
+        loss, close = dpool.criterion(torch.nn.CrossEntropyLoss()), model.close
+    opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
+
+    def step() -> None:
+        loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, close
+
+
+def measure(w: Workload, setups: list[str], gaps_ms: list[float], steps: int, repeats: int,
+            workers: int) -> dict[tuple[str, str, float], float]:
+    """Median µs per step for every (setup, gap kind, gap), the repeats interleaved across all of them."""
+    runs = {s: _trainer(s, w, workers) for s in setups}
+    times: dict[tuple[str, str, float], list[float]] = {}
+    cases = [("none", 0.0)] + [(kind, g) for g in gaps_ms if g > 0 for kind in ("sleep", "spin")]
+    try:
+        for step, _ in runs.values():  # warm-up
+            for _ in range(max(5, steps // 5)):
+                step()
+        for _ in range(repeats):
+            for s, (step, _) in runs.items():
+                for kind, g in cases:
+                    total = 0.0
+                    for _ in range(steps):
+                        _gap(kind, g / 1e3)
+                        t0 = time.perf_counter()
+                        step()
+                        total += time.perf_counter() - t0
+                    times.setdefault((s, kind, g), []).append(total / steps * 1e6)
+    finally:
+        for _, close in runs.values():
+            close()
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="probe", help="comma-separated, from benchmarks/workloads.py")
+    ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, from {', '.join(SETUPS)}")
+    ap.add_argument("--gaps", default="2,12", help="comma-separated idle gaps before each step, in ms")
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per repeat and case")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args(argv)
+    setups = args.setups.split(",")
+    unknown = [s for s in setups if s not in SETUPS] + [n for n in args.workloads.split(",") if n not in WORKLOADS]
+    if unknown:
+        ap.error(f"unknown setup or workload {unknown}")
+    gaps = [float(g) for g in args.gaps.split(",")]
+    torch.set_num_threads(1)  # the coordinator's own setting (dpool's coordinator_threads=1); one core per worker
+    print(f"median µs per step ({args.repeats} interleaved repeats of {args.steps} steps; 'none' is back to back)\n")
+    for name in args.workloads.split(","):
+        res = measure(WORKLOADS[name], setups, gaps, args.steps, args.repeats, args.workers)
+        cases = sorted({(k, g) for _, k, g in res}, key=lambda c: (c[1], c[0]))
+        print(f"| {name} | " + " | ".join("back to back" if k == "none" else f"{k} {g:g} ms" for k, g in cases) + " |")
+        print("|---" * (len(cases) + 1) + "|")
+        for s in setups:
+            print(f"| {s} | " + " | ".join(f"{res[(s, k, g)]:.0f}" for k, g in cases) + " |")
+        if "single" in setups:
+            for s in setups:
+                if s != "single":
+                    print(f"| {s} − single | " + " | ".join(f"{res[(s, k, g)] - res[('single', k, g)]:.0f}"
+                                                          for k, g in cases) + " |")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
