@@ -6,9 +6,10 @@ code and data still in the CPU's caches; a larger model's step (the mlp's, ~12 m
 not: the coordinator's code for step ``t + 1`` last ran a whole round ago. This script measures what that
 costs on the machine it runs on, by putting a gap of ``--gaps`` milliseconds before every timed step,
 either sleeping (``time.sleep``) or spinning in Python, and reports the median time of the step itself.
+The setups are ``bench.py``'s, built and stepped as its table runs them (``single`` on every core).
 
-On the 2-core KVM host of the README's tables the single-process probe step took 0.20 ms back to back and
-0.9-1.0 ms after a 12 ms gap, slept or spun alike: code that has not run for a few milliseconds runs
+On the 2-core KVM host of the README's tables the single-process probe step took 0.23 ms back to back and
+1.0-1.3 ms after a 12 ms gap, slept or spun alike: code that has not run for a few milliseconds runs
 several times slower there, whatever ran in between (docs/performance.md, session 45). The framework cost
 of a dpool step, and the cost of the coordinator's work between a larger model's rounds, grow the same way.
 
@@ -22,14 +23,11 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
-
-from benchmarks.bench import batches
+from benchmarks.bench import Local
 from benchmarks.workloads import WORKLOADS, Workload
 
 __all__ = ["main"]
@@ -49,54 +47,26 @@ def _gap(kind: str, seconds: float) -> None:
         pass
 
 
-def _trainer(setup: str, w: Workload, workers: int) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(one training step, close) of ``setup`` on workload ``w``."""
-    import dpool
-
-    torch.manual_seed(0)
-    x, y = batches(w, w.global_batch, 0)[0]
-    net = w.make()
-    if setup == "single":
-        model, loss, close = net, w.loss, (lambda: None)
-    elif setup == "dpool":
-        model = dpool.wrap(net, ["cpu"] * workers)
-        loss, close = w.loss, model.close
-    else:  # dpool-loss: the loss on the workers, one round a step
-        model = dpool.wrap(net, ["cpu"] * workers, gather=False)
-        loss, close = dpool.criterion(torch.nn.CrossEntropyLoss()), model.close
-    opt = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
-
-    def step() -> None:
-        loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step, close
-
-
 def measure(w: Workload, setups: list[str], gaps_ms: list[float], steps: int, repeats: int,
             workers: int) -> dict[tuple[str, str, float], float]:
     """Median µs per step for every (setup, gap kind, gap), the repeats interleaved across all of them."""
-    runs = {s: _trainer(s, w, workers) for s in setups}
+    runs = {s: Local(s, w, workers) for s in setups}  # bench.py's setups, as its table runs them
     times: dict[tuple[str, str, float], list[float]] = {}
     cases = [("none", 0.0)] + [(kind, g) for g in gaps_ms if g > 0 for kind in ("sleep", "spin")]
     try:
-        for step, _ in runs.values():  # warm-up
-            for _ in range(max(5, steps // 5)):
-                step()
+        for run in runs.values():  # warm-up
+            run.run(max(5, steps // 5))
         for _ in range(repeats):
-            for s, (step, _) in runs.items():
+            for s, run in runs.items():
                 for kind, g in cases:
                     total = 0.0
                     for _ in range(steps):
                         _gap(kind, g / 1e3)
-                        t0 = time.perf_counter()
-                        step()
-                        total += time.perf_counter() - t0
+                        total += run.run(1)
                     times.setdefault((s, kind, g), []).append(total / steps * 1e6)
     finally:
-        for _, close in runs.values():
-            close()
+        for run in runs.values():
+            run.close()
     return {key: statistics.median(v) for key, v in times.items()}
 
 
@@ -114,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown setup or workload {unknown}")
     gaps = [float(g) for g in args.gaps.split(",")]
-    torch.set_num_threads(1)  # the coordinator's own setting (dpool's coordinator_threads=1); one core per worker
     print(f"median µs per step ({args.repeats} interleaved repeats of {args.steps} steps; 'none' is back to back)\n")
     for name in args.workloads.split(","):
         res = measure(WORKLOADS[name], setups, gaps, args.steps, args.repeats, args.workers)
