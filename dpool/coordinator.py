@@ -1066,7 +1066,10 @@ class Runtime:
         done = [replies[s] for s in range(k)]
         if guess is not None:
             # usable only if every shard ran it, with the denominators predicted (the seed depends on them)
-            ran = speculate and all(r.backward for r in done) and guess.matches([r.denom for r in done])
+            matched = guess.matches([r.denom for r in done])
+            if not matched:  # predicted with every target counted (target_count): count them from now on
+                crit._count_ignored = True
+            ran = speculate and all(r.backward for r in done) and matched
             guess.gen = self._slot_gen if ran else -1
             guess.replies = done if ran else None
             guess.flags = flags
@@ -1156,14 +1159,14 @@ class Runtime:
             self._pending = None
 
     @_one_call_at_a_time
-    def backward_speculated(self, state: CallState, guess: Any, seed: torch.Tensor, crit: Any,
+    def backward_speculated(self, state: CallState, guess: Any, hit: bool, crit: Any,
                             param_idx: Sequence[int]) -> list[torch.Tensor | None] | None:
         """The gradients of a criterion's loss whose backward the workers ran right after it (see
-        :meth:`criterion`), if ``seed`` (this backward's gradient for each shard's loss) is bitwise the one
-        they used and their slots still hold the result; ``None``: run the backward round instead."""
+        :meth:`criterion`), if ``hit`` (this backward's gradient for each shard's loss is bitwise the one
+        they used: :meth:`dpool.loss.Speculation.hit`) and their slots still hold the result; ``None``: run
+        the backward round instead."""
         self._check_usable()  # (first: finishing a cut restart changes the slots and loses the graphs)
         guess.settled = True
-        hit = guess.hit(seed)
         crit._speculate = hit  # a miss (a scaled loss, GradScaler) turns speculation off until a would-be hit
         if (not hit or guess.replies is None or guess.gen != self._slot_gen or self.no_sync
                 or torch.is_grad_enabled() or self.graphs.lost(state.call) or self.params_changed(state)
@@ -1175,7 +1178,7 @@ class Runtime:
         self._commit_backward_buffers(self._changed_buffers(replies), k, state.rows)
         self._slot_gen += 1
         busy = [r.busy for r in replies]
-        self.stats.backward(busy, k * seed.element_size(),
+        self.stats.backward(busy, k * guess.dtype.itemsize,
                             sum(end - start for _, start, end, _ in self.layout.param_groups) * k)
         self.stats.backward_rounds_saved += 1
         self.stats.no_round("backward")

@@ -121,6 +121,9 @@ class criterion:
         self._speculate = True  # run the backward with the loss (see the module's note); off after a miss
         self._last: Speculation | None = None
         self._seed_key: tuple | None = None  # the latest predicted seed, as (bytes, value), and what it was for
+        # Whether to count the targets that are not ignore_index before the round (two ops and a read, every
+        # step) rather than predict that none is: set once a round's denominators showed some (see predict_seed)
+        self._count_ignored = False
         self._seed: tuple[bytes, float] = (b"", 0.0)
 
     def payload(self) -> bytes:
@@ -189,18 +192,22 @@ class LossBridge(torch.autograd.Function):
     def forward(ctx: Any, box: Any, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.box = box
         track_release(ctx, inputs[0])
-        return box.value.clone()
+        value, box.value = box.value, None  # made for this output alone (combine): returned, not cloned (the box
+        if value is None:  # keeping it would make a cycle through the graph that the collector cannot see)
+            raise RuntimeError("dpool: a criterion's loss was made twice from one result; compute the loss again")
+        return value
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         enter_backward(ctx)
         box = ctx.box
-        seed = (grad / box.denom).to(box.value.dtype).reshape(())  # each shard loss's gradient
         guess, box.guess = box.guess, None  # a second backward (retain_graph=True) runs its own round
         done = None
         if guess is not None:
-            done = box.runtime.backward_speculated(box.state, guess, seed, box.crit, box.param_idx)
+            done = box.runtime.backward_speculated(box.state, guess, guess.hit(grad, box.denom), box.crit,
+                                                   box.param_idx)
         if done is None:
+            seed = (grad / box.denom).to(box.dtype).reshape(())  # each shard loss's gradient
             pieces = [[None] * (idx + 1) for idx in box.indices]
             for s, idx in enumerate(box.indices):
                 pieces[s][idx] = seed
@@ -223,7 +230,7 @@ class Speculation:
     __slots__ = ("seed", "value", "dtype", "denom", "gen", "replies", "settled", "flags")
 
     def __init__(self, seed: bytes, value: float, dtype: torch.dtype, denom: float | None) -> None:
-        self.seed, self.value, self.dtype, self.denom = seed, value, dtype, denom
+        self.seed, self.value, self.dtype, self.denom = seed, value, dtype, denom  # seed = 1 / (denom or 1)
         self.gen = -1
         self.replies: list | None = None
         self.settled = False
@@ -233,9 +240,21 @@ class Speculation:
         """Whether the shards' denominators add up as predicted (always, for a sum)."""
         return self.denom is None or sum(denoms) == self.denom  # summed as combine() sums them
 
-    def hit(self, seed: torch.Tensor) -> bool:
-        """Whether ``seed`` is bitwise the predicted one (a nonzero value: ``==`` cannot tell zeros' signs apart)."""
-        return seed.dtype == self.dtype and self.value != 0.0 and seed.item() == self.value
+    def hit(self, grad: torch.Tensor, denom: float) -> bool:
+        """Whether the seed ``loss.backward()`` gives each shard, ``grad / denom`` as a ``dtype`` scalar, is
+        bitwise the predicted one (a nonzero value: ``==`` cannot tell zeros' signs apart).
+
+        ``grad`` is autograd's gradient of the combined loss, ``denom`` the denominator the shards reported.
+        The usual ``grad``, ``loss.backward()``'s one, is a hit without computing the seed: divided by the
+        predicted denominator it is the very operation that made the prediction. When the shards' denominators
+        came out otherwise, the early backward is not used whatever this says (:attr:`replies` is ``None``),
+        and a hit only means that the speculation stays on: a right prediction would have been used.
+        """
+        if self.value == 0.0:
+            return False
+        if grad.dtype == self.dtype and grad.item() == 1.0:
+            return True
+        return (grad / denom).to(self.dtype).item() == self.value
 
 
 # Losses whose mean divides by the number of elements of the input and the target broadcast together
@@ -275,8 +294,10 @@ def predict_seed(crit: criterion, targets: tuple, shard_targets: Callable[[], li
             found = [elementwise_denominator(crit.loss, o, t) for o, t in zip(output_shapes(), shard_targets())]
         elif getattr(crit.loss, "weight", None) is not None:
             found = [target_denominator(crit.loss, t) for t in shard_targets()]
-        else:  # a count of rows: exact whatever the order
+        elif crit._count_ignored:  # a count of rows: exact whatever the order
             found = [target_denominator(crit.loss, targets)]
+        else:  # every target counted, until a round showed some ignored (see criterion._count_ignored)
+            found = [target_count(crit.loss, targets)]
         if any(d is None for d in found):
             return None
         denom = sum(d for d in found if d is not None)  # in shard order, as combine() adds the reports
@@ -290,11 +311,13 @@ def predict_seed(crit: criterion, targets: tuple, shard_targets: Callable[[], li
 
 
 class _LossBox:
-    __slots__ = ("runtime", "state", "value", "denom", "indices", "handle", "guess", "crit", "param_idx")
+    __slots__ = ("runtime", "state", "value", "dtype", "denom", "indices", "handle", "guess", "crit", "param_idx")
 
     def __init__(self, runtime: "Runtime", handle: ShardedOutput, value: torch.Tensor, denom: float,
                  indices: list[int], guess: Speculation | None, crit: criterion, param_idx: list[int]) -> None:
-        self.runtime, self.state, self.value, self.denom, self.indices = runtime, handle._state, value, denom, indices
+        self.runtime, self.state, self.denom, self.indices = runtime, handle._state, denom, indices
+        self.value: torch.Tensor | None = value  # the loss LossBridge returns (taken by its forward)
+        self.dtype = value.dtype
         self.handle = handle  # the loss's graph keeps the outputs on the workers alive
         self.guess, self.crit = guess, crit
         self.param_idx = param_idx  # the parameters LossBridge takes as inputs, by index
@@ -441,6 +464,20 @@ def _check_split(loss_fn: Any, reduction: str, total: Any, none: Any, denom: flo
         if not abs(value - other) <= rtol * max(abs(value), abs(other)) + 1e-12:
             raise ValueError(f"dpool.criterion({name}) does not split over shards: on this shard its "
                              f"reduction='sum' loss is {value:.6g}, but {what} is {other:.6g}. {advice}")
+
+
+def target_count(loss_fn: Any, targets: tuple) -> float | None:
+    """:func:`target_denominator` if no target is ``ignore_index``: the number of targets (no class weights).
+
+    A prediction, not a count: the shards report the true denominators with their losses, and a seed
+    predicted from this one is used only if they add up to it (:meth:`Speculation.matches`). It saves
+    reading the targets before the round; a criterion whose rounds showed ignored targets counts them.
+    """
+    target = targets[0] if targets else None
+    if not (isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) and isinstance(target, torch.Tensor)
+            and not target.is_floating_point()):
+        return None
+    return float(target.numel())
 
 
 def target_denominator(loss_fn: Any, targets: tuple) -> float | None:

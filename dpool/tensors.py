@@ -112,8 +112,8 @@ class Placer:
     def write(views: Any, offset: int, t: torch.Tensor, requires_grad: bool = False) -> TensorMeta:
         """Copy ``t`` into the segment whose view cache is ``views``; return its meta."""
         meta = describe(t, offset, requires_grad)
-        if t.numel():
-            views.view(offset, t.dtype, meta.shape).copy_(t.detach())
+        if t.numel():  # (detached only where autograd would record the copy: an op less for most tensors)
+            views.view(offset, t.dtype, meta.shape).copy_(t.detach() if t.requires_grad else t)
         return meta
 
 

@@ -1162,7 +1162,9 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
     weight = torch.tensor([1.0, 3.0, 0.5, 2.0], dtype=torch.float64)
     losses = {"mean": nn.CrossEntropyLoss(weight=weight, ignore_index=2),  # per-shard denominators
               "sum": nn.CrossEntropyLoss(reduction="sum"), "mse": nn.MSELoss(),  # mse: elements of the output
-              "soft": nn.CrossEntropyLoss()}  # with class probabilities: not predicted
+              "soft": nn.CrossEntropyLoss(),  # with class probabilities: not predicted
+              "ce": nn.CrossEntropyLoss(),  # every target counts: the number of targets, predicted
+              "ignore": nn.CrossEntropyLoss(ignore_index=2)}  # some targets ignored: counted once a round showed it
     crits = [{k: dpool.criterion(v, backward_with_loss=b) for k, v in losses.items()} for b in (True, False)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, plain, ref)]
 
@@ -1174,6 +1176,8 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
         x = torch.randn(10, 12, dtype=torch.float64)  # 10 rows on 3 workers: shards of 4, 3, 3
         y, y2 = torch.randint(0, 4, (10,)), torch.randn(10, 4, dtype=torch.float64)
         y3 = torch.softmax(torch.randn(10, 4, dtype=torch.float64), dim=1)
+        y4 = y.clone()
+        y4[[0, 5]] = 2  # ignored, on two shards
         before = saved()
         xs = [x.clone().requires_grad_(kind == "input_grad") for _ in range(3)]
         for xi, model, crit in zip(xs, (fast, slow, ref), (*crits, None)):
@@ -1199,6 +1203,10 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
                 loss_of("mse", out, y2).backward()
             elif kind == "soft":
                 loss_of("soft", out, y3).backward()
+            elif kind == "ce":
+                loss_of("ce", out, y).backward()
+            elif kind == "ignored":
+                loss_of("ignore", out, y4).backward()
             elif kind == "frozen_between":  # a forward that freezes a parameter zeroes its slot on the workers
                 loss = loss_of("mean", out, y)
                 w0 = dict(zip((fast, slow, ref), (net, plain, ref)))[model].net[0].weight
@@ -1238,6 +1246,9 @@ def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
     step("soft", 0)
     step("plain", 1)
     step("frozen_between", 0)
+    step("ce", 1)
+    step("ignored", 0)  # predicted with every target counted; the shards' denominators said otherwise
+    step("ignored", 1)  # counted before the round from then on
     step("plain", 1)
 
 
