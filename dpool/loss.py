@@ -180,7 +180,7 @@ def _loss_state(loss: Any) -> tuple[list, list[torch.Tensor]]:
     its tensors among them, and the tensors' values (a loss's tensors are small: class weights)."""
     if not isinstance(loss, torch.nn.Module):
         return [loss], []
-    mods = list(loss.modules())
+    mods = list(loss.modules()) if loss._modules else [loss]  # (most losses have no submodules)
     tensors = [t for m in mods for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
     return [v for m in mods for v in m.__dict__.values()] + tensors, tensors
 
@@ -504,8 +504,9 @@ def combine(runtime: "Runtime", handle: ShardedOutput, replies: list, dtype: tor
     total = sum(r.value for r in replies)
     denom = sum(r.denom for r in replies) if reduction == "mean" else 1.0
     # a mean over nothing (every target ignored) is nan, as in one process; its gradients stay zero
-    value = torch.tensor(total / denom if denom else (math.nan if reduction == "mean" else total), dtype=dtype,
-                         device=runtime.output_device)
+    # (scalar_tensor: torch.tensor's conversion to dtype in one op where torch.tensor takes four)
+    value = torch.scalar_tensor(total / denom if denom else (math.nan if reduction == "mean" else total),
+                                dtype=dtype, device=runtime.output_device)
     box = _LossBox(runtime, handle, value, denom if denom else 1.0, [r.index for r in replies], guess, crit,
                    param_idx)
     grad_inputs = handle._diff_inputs + [runtime.params[i] for i in box.param_idx]
