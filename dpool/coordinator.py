@@ -1370,7 +1370,7 @@ class Runtime:
                 placer = Placer()
                 offs: list[Any] = [placer.reserve(g) if g is not None else None for g in mine]
                 seg = self.io.ensure(s, "gout", placer.offset)
-                gmetas = [Placer.write(seg.views, o, g.detach()) if g is not None else None
+                gmetas = [Placer.write(seg.views, o, g) if g is not None else None
                           for o, g in zip(offs, mine)]
                 gin = self.io.ensure(s, "gin", gin_sizes[s])
                 sparse = self.io.segment(s, "sparse")
