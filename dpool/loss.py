@@ -12,7 +12,8 @@ value. A loss that does not split so is an error, not a wrong number (see :func:
 *The backward right after the loss.* ``loss.backward()`` gives each shard's loss the gradient
 ``1 / denominator`` (``1`` for ``reduction="sum"``). When the coordinator can compute that number
 before the loss round (a sum, or a mean whose denominators the targets and the outputs' shapes
-decide: class-index cross-entropy and NLL, see :func:`target_denominator`, and elementwise losses
+decide: class-index cross-entropy and NLL, see :func:`target_denominator` (without class weights the
+number of targets, :func:`target_count`, until a round shows ignored ones), and elementwise losses
 such as ``MSELoss``, see :func:`elementwise_denominator`), it sends it with the loss, and each worker
 runs its backward with it at once, in the same round. ``loss.backward()`` then only sums the
 gradient slots: one round per step less. The result is used only if the gradient autograd actually
