@@ -967,9 +967,9 @@ class Runtime:
                                  across=None if f.nodes is None else functools.partial(
                                      f.nodes.all_reduce, doing="combining buffer statistics"))
         state.rows = rows
-        if gathered is None:  # what a deferred forward's loss predicts from (see criterion): its dtype and shapes
-            self._last_out = (self._loss_dtype(out_metas), self._out_shapes(out_metas, specs), rows)
         if gathered is None:
+            # what a deferred forward's loss predicts from (see criterion): this forward's output dtype and shapes
+            self._last_out = (self._loss_dtype(out_metas), self._out_shapes(out_metas, specs), rows)
             return handle
         return _gather.build(specs, iter(gathered))
 

@@ -193,8 +193,10 @@ class LossBridge(torch.autograd.Function):
     def forward(ctx: Any, box: Any, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.box = box
         track_release(ctx, inputs[0])
-        value, box.value = box.value, None  # made for this output alone (combine): returned, not cloned (the box
-        if value is None:  # keeping it would make a cycle through the graph that the collector cannot see)
+        # made for this output alone (combine): returned, not cloned. The box lets go of it: the output's graph
+        # holds the box, and a box holding the output would be a cycle the garbage collector cannot see.
+        value, box.value = box.value, None
+        if value is None:
             raise RuntimeError("dpool: a criterion's loss was made twice from one result; compute the loss again")
         return value
 
