@@ -210,7 +210,7 @@ class LossBridge(torch.autograd.Function):
             done = box.runtime.backward_speculated(box.state, guess, guess.hit(grad, box.denom), box.crit,
                                                    box.param_idx)
         if done is None:
-            seed = (grad / box.denom).to(box.dtype).reshape(())  # each shard loss's gradient
+            seed = shard_seed(grad, box.denom, box.dtype)
             pieces = [[None] * (idx + 1) for idx in box.indices]
             for s, idx in enumerate(box.indices):
                 pieces[s][idx] = seed
@@ -257,7 +257,14 @@ class Speculation:
             return False
         if grad.dtype == self.dtype and grad.item() == 1.0:
             return True
-        return (grad / denom).to(self.dtype).item() == self.value
+        return shard_seed(grad, denom, self.dtype).item() == self.value
+
+
+def shard_seed(grad: torch.Tensor, denom: float, dtype: torch.dtype) -> torch.Tensor:
+    """Each shard loss's gradient when the combined loss gets ``grad``: ``grad / denom`` as a ``dtype`` scalar.
+    The prediction (:func:`predict_seed`), the check of it (:meth:`Speculation.hit`) and the backward round
+    all make it here, so that they agree bit for bit."""
+    return (grad / denom).to(dtype).reshape(())
 
 
 # Losses whose mean divides by the number of elements of the input and the target broadcast together
@@ -308,7 +315,7 @@ def predict_seed(crit: criterion, targets: tuple, shard_targets: Callable[[], li
     key = (dtype, device, divisor)
     if crit._seed_key != key:  # the batch size (and so the seed) rarely changes: made once
         # autograd's gradient for loss.backward() is ones_like(loss); LossBridge divides it by the denominator
-        seed = (torch.ones((), dtype=dtype, device=device) / divisor).to(dtype).reshape(())
+        seed = shard_seed(torch.ones((), dtype=dtype, device=device), divisor, dtype)
         crit._seed_key, crit._seed = key, (to_bytes(seed.reshape(-1).cpu()), seed.item())
     return Speculation(crit._seed[0], crit._seed[1], dtype, denom)
 
@@ -469,6 +476,15 @@ def _check_split(loss_fn: Any, reduction: str, total: Any, none: Any, denom: flo
                              f"reduction='sum' loss is {value:.6g}, but {what} is {other:.6g}. {advice}")
 
 
+def _class_indices(loss_fn: Any, targets: tuple) -> torch.Tensor | None:
+    """The target of a ``CrossEntropyLoss``/``NLLLoss`` given class indices; ``None`` for any other loss or target."""
+    target = targets[0] if targets else None
+    if (isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) and isinstance(target, torch.Tensor)
+            and not target.is_floating_point()):
+        return target
+    return None
+
+
 def target_count(loss_fn: Any, targets: tuple) -> float | None:
     """:func:`target_denominator` if no target is ``ignore_index``: the number of targets (no class weights).
 
@@ -476,11 +492,8 @@ def target_count(loss_fn: Any, targets: tuple) -> float | None:
     predicted from this one is used only if they add up to it (:meth:`Speculation.matches`). It saves
     reading the targets before the round; a criterion whose rounds showed ignored targets counts them.
     """
-    target = targets[0] if targets else None
-    if not (isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) and isinstance(target, torch.Tensor)
-            and not target.is_floating_point()):
-        return None
-    return float(target.numel())
+    target = _class_indices(loss_fn, targets)
+    return None if target is None else float(target.numel())
 
 
 def target_denominator(loss_fn: Any, targets: tuple) -> float | None:
@@ -491,9 +504,8 @@ def target_denominator(loss_fn: Any, targets: tuple) -> float | None:
     The workers compute their shard's denominator with this function, and the coordinator predicts it with
     the same function on the same target values (see :func:`predict_seed`).
     """
-    target = targets[0] if targets else None
-    if not (isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) and isinstance(target, torch.Tensor)
-            and not target.is_floating_point()):
+    target = _class_indices(loss_fn, targets)
+    if target is None:
         return None
     valid = target != loss_fn.ignore_index
     if loss_fn.weight is not None:
