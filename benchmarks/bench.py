@@ -41,6 +41,9 @@ Setups, on N = --workers:
   minimal-nodes  the floor under `nodes` (benchmarks/minimal.py's MinimalNode): N gloo ranks, each a
            `minimal` node with one worker, its gradient averaged across the ranks as dpool does
            (x 1/N, then summed; two ranks swap point to point). A diagnostic, not in the default set
+  nodes-loss  `nodes` with the loss on the workers, as `dpool-loss`: one round a step, then the
+           exchange (`--setups nodes-loss,minimal-nodes-loss,ddp`)
+  minimal-nodes-loss  the floor under `nodes-loss`: `minimal-nodes` with `minimal-loss`'s nodes
 
 Results go to --out as JSON and a PNG chart; the Markdown table is printed.
 """
@@ -124,7 +127,8 @@ class Local:
 
 def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str = "ddp") -> None:
     """One rank of ``ddp``, one independent trainer of ``ceiling``, one dpool node of ``nodes`` (``nodes-serial``:
-    without overlap), or one node of their floor, ``minimal-nodes``."""
+    without overlap; ``nodes-loss``: the loss on the workers), or one node of their floors, ``minimal-nodes``
+    (``minimal-nodes-loss``)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -135,7 +139,8 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
     w = WORKLOADS[wname]
     torch.manual_seed(0)
     nodes = mode.startswith("nodes")
-    floor = mode == "minimal-nodes"
+    floor = mode.startswith("minimal-nodes")
+    loss: Any = w.loss
     data = batches(w, w.global_batch // world, rank + 1)
     if nodes or floor:
         # what torchrun --standalone --nproc-per-node=N gives each rank: dpool sizes and binds its workers by them
@@ -144,13 +149,16 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
         import dpool
 
         os.environ["DPOOL_CROSS_NODE_OVERLAP"] = "0" if mode == "nodes-serial" else "1"
-        model = dpool.wrap(w.make(), ["cpu"], worker_threads=max(1, CORES // world))
+        model = dpool.wrap(w.make(), ["cpu"], worker_threads=max(1, CORES // world), gather=mode != "nodes-loss")
+        if mode == "nodes-loss":  # every workload's loss is F.cross_entropy
+            loss = dpool.criterion(torch.nn.CrossEntropyLoss())
     elif floor:
         from benchmarks.minimal import Minimal, MinimalNode, train
 
         net = w.make()
         x = data[0][0]
-        model = MinimalNode(Minimal(w.name, net, 1, x.size(0), tuple(x.shape[1:]), x.dtype))
+        model = MinimalNode(Minimal(w.name, net, 1, x.size(0), tuple(x.shape[1:]), x.dtype,
+                                    mode == "minimal-nodes-loss"))
     else:
         model = DDP(w.make()) if ddp else w.make()
     opt = torch.optim.SGD(net.parameters() if floor else model.parameters(), lr=w.lr, momentum=0.9)
@@ -163,7 +171,7 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
         waited = model._nodes.waited_s if nodes else 0.0
         reducer = model._runtime.reducer if nodes else None
         early = reducer.early if reducer is not None else 0
-        elapsed = train(model, opt, data, steps) if floor else _steps(model, opt, w.loss, data, steps)
+        elapsed = train(model, opt, data, steps) if floor else _steps(model, opt, loss, data, steps)
         if ddp:
             dist.barrier()
         conn.send((elapsed, (model._nodes.waited_s - waited) if nodes else 0.0,
@@ -176,8 +184,9 @@ def _ddp_rank(rank: int, world: int, port: int, wname: str, conn: Any, mode: str
 
 class DDPRunner:
     """``ddp``: N gloo ranks. ``ceiling``: the same N processes, with no process group and no all-reduce.
-    ``nodes``: N dpool coordinators in cross-node mode, one worker each (``nodes-serial``: without overlap).
-    ``minimal-nodes``: N gloo ranks, each a one-worker :class:`benchmarks.minimal.MinimalNode`."""
+    ``nodes``: N dpool coordinators in cross-node mode, one worker each (``nodes-serial``: without overlap;
+    ``nodes-loss``: the loss on the workers). ``minimal-nodes``: N gloo ranks, each a one-worker
+    :class:`benchmarks.minimal.MinimalNode` (``minimal-nodes-loss``: the loss on its worker)."""
 
     def __init__(self, w: Workload, workers: int, mode: str = "ddp") -> None:
         import socket
@@ -246,7 +255,7 @@ class MinimalRunner:
 def make_runner(setup: str, w: Workload, workers: int) -> Any:
     if setup in ("minimal", "minimal-loss"):
         return MinimalRunner(w, workers, setup == "minimal-loss")
-    if setup in ("ddp", "ceiling", "nodes", "nodes-serial", "minimal-nodes"):
+    if setup in ("ddp", "ceiling", "nodes", "nodes-serial", "nodes-loss", "minimal-nodes", "minimal-nodes-loss"):
         return DDPRunner(w, workers, mode=setup)
     return Local(setup, w, workers)
 
@@ -310,10 +319,12 @@ def bench(workloads: list[str], setups: list[str], workers: int, steps: int, war
                 exposed = 1000 * statistics.median(serial) / steps
                 entry["nodes_serial_exposed_collective_ms_per_step"] = exposed
                 entry["nodes_hidden_collective_ms_per_step"] = exposed - entry["nodes_exposed_collective_ms_per_step"]
-        if "minimal-nodes" in med:  # the cross-node floor against DDP, and the cross-node mode against its floor
-            for a, b in (("minimal-nodes", "ddp"), ("nodes", "minimal-nodes")):
-                if a in med and b in med:
-                    entry.setdefault("ratios", {})[f"{a}/{b}"] = med[a] / med[b]
+        # the cross-node mode with the loss on the workers against DDP; the floors against DDP; each mode against
+        # its floor
+        for a, b in (("nodes-loss", "ddp"), ("minimal-nodes", "ddp"), ("nodes", "minimal-nodes"),
+                     ("minimal-nodes-loss", "ddp"), ("nodes-loss", "minimal-nodes-loss")):
+            if a in med and b in med:
+                entry.setdefault("ratios", {})[f"{a}/{b}"] = med[a] / med[b]
         results["workloads"][wname] = entry
     return results
 
@@ -337,7 +348,8 @@ def table(results: dict) -> str:
                            f"{e['nodes_hidden_collective_ms_per_step']:.2f} ms/step hidden behind the backward)")
             ratios += (f"; buckets per step {e['nodes_buckets_per_step']}, "
                        f"{e['nodes_buckets_during_backward_per_step']:.1f} of them exchanged during the backward")
-        for k in ("minimal-nodes/ddp", "nodes/minimal-nodes"):
+        for k in ("nodes-loss/ddp", "minimal-nodes/ddp", "nodes/minimal-nodes", "minimal-nodes-loss/ddp",
+                  "nodes-loss/minimal-nodes-loss"):
             if k in e.get("ratios", {}):
                 ratios += f"; {k} {e['ratios'][k]:.2f}×"
         if "framework_ms_per_step" in e:

@@ -872,8 +872,8 @@ class Runtime:
         # (no call between the try above and this one: a Ctrl-C lands in one of them, and the calls collected
         # for release reach the workers or are told again)
         try:
-            if (self._defer and not self.gather_outputs and grad and nodes is None and not self.cuda
-                    and self.layout.buffer_range is None):
+            if (self._defer and not self.gather_outputs and grad and not self.cuda
+                    and self.layout.buffer_range is None and (nodes is None or not self._forward_collectives)):
                 # Deferred until its loss (see _Deferred): the targets go after these inputs meanwhile.
                 for s in range(k):
                     self.io.keep(s, call, spans[s])
@@ -988,9 +988,7 @@ class Runtime:
             self._run_deferred()  # (another forward's: it runs first, in its own round)
             pending = None
         if pending is not None:  # the forward and this loss go to the workers together
-            refused = self._check_deferred(pending.f)
-            if refused is not None:
-                raise ModelChangedError(refused)
+            self._deferred_synced(pending.f, functools.partial(self._refuse_changed, pending.f))
         else:
             self._check_usable()
             if isinstance(state, _Unrun):
@@ -1030,7 +1028,7 @@ class Runtime:
         if last is not None and not last.settled:  # the previous loss of this criterion was never backpropagated
             crit._speculate = False
         speculate = (guess is not None and crit._speculate and self._speculable and not self.cuda
-                     and self.nodes is None and not self.no_sync and not self._workers_hold)
+                     and not self.no_sync and not self._workers_hold)
         seed, seed_dtype = (guess.seed, dtype_name(dtype)) if speculate and guess is not None else (b"", "")
         flags = bytes(p.requires_grad for p in self.params)  # the early backward's; checked again at backward
         if speculate:
@@ -1055,7 +1053,8 @@ class Runtime:
         for s, span in enumerate(spans):  # the loss graph may save the targets: kept until the call is released
             self.io.keep(s, (state.call, "targets", id(span[0]), span[1]), span)
         if pending is not None:
-            replies, state = self._forward_and_loss(pending, msgs), handle._state
+            replies = self._deferred_synced(pending.f, lambda: self._forward_and_loss(pending, msgs))
+            state = handle._state
             real = self._loss_dtype(state.metas)
             if real != dtype:  # predicted from the previous forward: a guess made with it cannot be used
                 dtype, guess = real, None
@@ -1110,8 +1109,18 @@ class Runtime:
         self.stats.forward_rounds_saved += 1
         return loss
 
+    def _deferred_synced(self, f: _Forward, run: Callable[[], Any]) -> Any:
+        """Run a step of the deferred forward ``f``: a failure of a cross-node training forward ends this node's
+        part in the job wherever the forward runs, as it does in ``model(x)`` (see :meth:`_synced`)."""
+        return run() if f.nodes is None else self._synced(run)
+
     def _run_deferred(self) -> None:
         """Run the deferred forward in a round of its own (see :class:`_Deferred`)."""
+        pending = self._pending
+        assert pending is not None
+        self._deferred_synced(pending.f, self._run_pending)
+
+    def _run_pending(self) -> None:
         pending = self._pending
         assert pending is not None
         refused = self._check_deferred(pending.f)
@@ -1126,6 +1135,12 @@ class Runtime:
         except BaseException:
             self._forward_failed(pending.f)
             raise
+
+    def _refuse_changed(self, f: _Forward) -> None:
+        """Raise if the deferred forward ``f`` can no longer run as it was called (see :meth:`_check_deferred`)."""
+        refused = self._check_deferred(f)
+        if refused is not None:
+            raise ModelChangedError(refused)
 
     def _check_deferred(self, f: _Forward) -> str | None:
         """Drop the deferred forward ``f`` if it can no longer run as it was called, and raise if the pool cannot
@@ -1164,7 +1179,14 @@ class Runtime:
         """The gradients of a criterion's loss whose backward the workers ran right after it (see
         :meth:`criterion`), if ``hit`` (this backward's gradient for each shard's loss is bitwise the one
         they used: :meth:`dpool.loss.Speculation.hit`) and their slots still hold the result; ``None``: run
-        the backward round instead."""
+        the backward round instead. In cross-node mode the reduce averages over the nodes, with the same
+        collectives the backward round's reduce would make, so ranks that took different paths stay in step."""
+        if self.nodes is not None and not self.no_sync:
+            return self._synced(lambda: self._backward_speculated(state, guess, hit, crit, param_idx))
+        return self._backward_speculated(state, guess, hit, crit, param_idx)
+
+    def _backward_speculated(self, state: CallState, guess: Any, hit: bool, crit: Any,
+                             param_idx: Sequence[int]) -> list[torch.Tensor | None] | None:
         self._check_usable()  # (first: finishing a cut restart changes the slots and loses the graphs)
         guess.settled = True
         crit._speculate = hit  # a miss (a scaled loss, GradScaler) turns speculation off until a would-be hit
@@ -1174,7 +1196,10 @@ class Runtime:
             return None
         replies = guess.replies
         k = state.k
-        param_grads = self.reducer.reduce([self._grad_slots[s] for s in range(k)], [r.param_mask for r in replies])
+        if self.nodes is not None:
+            self.nodes.step = self.pool.step
+        param_grads = self.reducer.reduce([self._grad_slots[s] for s in range(k)], [r.param_mask for r in replies],
+                                          state.fseq)
         self._commit_backward_buffers(self._changed_buffers(replies), k, state.rows)
         self._slot_gen += 1
         busy = [r.busy for r in replies]

@@ -174,6 +174,37 @@ def union(rank: int, world: int, p: dict) -> dict:
     return {}
 
 
+def loss_on_workers(rank: int, world: int, p: dict) -> dict:
+    """The loss on the workers (``gather=False`` + ``dpool.criterion``) across nodes of 1 and 2 workers: each
+    training forward goes to the workers with its loss and their backward runs in the same round. Trained
+    twice, the second time with a round for each (``DPOOL_FORWARD_WITH_LOSS=off``, ``backward_with_loss=False``);
+    the test compares both with each other and with one process on the union batch. At the last step rank 1
+    scales its loss, so its early backward misses and runs its round while rank 0's hits: the nodes must
+    still combine the same step."""
+    steps, B = p.get("steps", 4), 12
+    out = {}
+    for name, fast in (("one_round", True), ("rounds", False)):
+        os.environ["DPOOL_FORWARD_WITH_LOSS"] = "auto" if fast else "off"
+        net = make_net(bn=False)
+        model = dpool.wrap(net, device_ids=["cpu"] * p["workers"][rank], worker_threads=1, gather=False)
+        crit = dpool.criterion(nn.MSELoss(), backward_with_loss=fast)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sl = rows_of(rank, world, B)
+        for x, y in batches(steps, B):
+            opt.zero_grad()
+            crit(model(x[sl]), y[sl]).backward()
+            opt.step()
+        x, y = batches(1, B, seed=7)[0]
+        opt.zero_grad()
+        (crit(model(x[sl]), y[sl]) * (2.0 if rank == 1 else 1.0)).backward()
+        stats = model.stats()
+        out[name] = {"forward_rounds_saved": stats["forward_rounds_saved"],
+                     "backward_rounds_saved": stats["backward_rounds_saved"], "collectives": model._nodes.collectives}
+        torch.save(state(net), p["file"] + name)
+        model.close()
+    return out
+
+
 def minimal_nodes(rank: int, world: int, p: dict) -> dict:
     """benchmarks/minimal.py's ``MinimalNode`` (the ``minimal-nodes`` setup, the floor under the cross-node
     mode's speed): one worker per node, the benchmark's mlp, mean cross-entropy, momentum, trained on the rank's
@@ -318,8 +349,10 @@ def fault(rank: int, world: int, p: dict) -> dict:
     kind, victim, before = p["kind"], p.get("victim", 1), p.get("where") == "before"
     B = 4 * world
     net = make_net(bn=p.get("bn", False))
-    model = dpool.wrap(net, device_ids=["cpu"], worker_threads=1, max_restarts=0,
+    on_workers = p.get("loss", False)  # the loss on the workers: each forward runs with it, the backward too
+    model = dpool.wrap(net, device_ids=["cpu"], worker_threads=1, max_restarts=0, gather=not on_workers,
                        peer_heartbeat_s=0.2, peer_heartbeat_timeout_s=p.get("silence", 3.0))
+    loss_fn = dpool.criterion(nn.MSELoss()) if on_workers else F.mse_loss
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sl = rows_of(rank, world, B)
     pids = model.pids
@@ -332,7 +365,7 @@ def fault(rank: int, world: int, p: dict) -> dict:
             misbehave = step == 3 and rank == victim
             if misbehave and before:
                 _misbehave(kind, pids)
-            loss = F.mse_loss(model(x[sl]), y[sl])
+            loss = loss_fn(model(x[sl]), y[sl])
             snap = snapshot(net, opt)  # the forward succeeded (its buffer updates stand, as in PyTorch): what
             # a failure in the backward must leave
             if misbehave and not before:
@@ -351,7 +384,8 @@ def fault(rank: int, world: int, p: dict) -> dict:
             unchanged = str(e)
         result = {"error": type(exc).__name__, "message": str(exc), "lost_rank": getattr(exc, "rank", None),
                   "pid": getattr(exc, "pid", None), "at": took, "unchanged": unchanged, "pids": pids,
-                  "workers_alive": [q for q in pids if _alive(q)]}
+                  "workers_alive": [q for q in pids if _alive(q)],
+                  "told": model._nodes.peers.failed}  # this rank ended its part in the job (the abort key)
         print("RESULT " + json.dumps(result), flush=True)
         print(f"EXITING {time.time()}", flush=True)
         # the script ends (with the error, by default): the exit guard must end it promptly, without
@@ -420,7 +454,7 @@ def _alive(pid: int) -> bool:
 
 
 SCENARIOS = {"vs_ddp": vs_ddp, "union": union, "overlap": overlap, "accumulate": accumulate, "fault": fault,
-             "cuda_nodes": cuda_nodes, "minimal_nodes": minimal_nodes}
+             "cuda_nodes": cuda_nodes, "minimal_nodes": minimal_nodes, "loss_on_workers": loss_on_workers}
 
 
 def main() -> None:

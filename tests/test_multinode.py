@@ -192,6 +192,7 @@ def runs():
         "syncbn_1x2": ("union", 2, dict(workers=[1, 2], buffers="average", sync_bn="torch"), None),
         "ddp": ("vs_ddp", 2, {}, None),
         "floor": ("minimal_nodes", 2, {}, None),
+        "loss": ("loss_on_workers", 2, dict(workers=[1, 2]), None),
     }, timeout=150)
     yield started
     for run in started.values():
@@ -299,6 +300,46 @@ def test_nodes_train_like_one_process_on_the_union_batch(runs, name):
     _same(t0["params"], t1["params"], exact=True)
     _same(t0["grads"], t1["grads"], exact=True)
     assert t0["grads"][0] is None  # `unused`
+
+
+def test_the_loss_on_the_workers_takes_one_round_a_step_across_nodes(runs):
+    """Nodes of 1 and 2 workers with the loss on the workers: every training forward went with its loss, and
+    the backward ran in that round wherever its gradient could be predicted (from the second step on: the
+    first has no earlier output to predict the mean's denominator from). Each step's gradients, averaged over
+    the nodes, equal those of the same training with a round for each, bitwise, and one process on the union
+    batch. At the last step rank 1 scaled its loss: its early backward missed and ran its round while rank
+    0's hit, and the nodes still combined the same step."""
+    from tests.multinode import state
+
+    run = runs["loss"]
+    _ok(run)
+    r0, r1 = run.result(0), run.result(1)
+    assert r0["one_round"]["forward_rounds_saved"] == 5 and r1["one_round"]["forward_rounds_saved"] == 5, (r0, r1)
+    assert r0["one_round"]["backward_rounds_saved"] == 4, r0  # steps 2 to 5
+    assert r1["one_round"]["backward_rounds_saved"] == 3, r1  # steps 2 to 4: its scaled loss missed
+    assert r0["rounds"]["forward_rounds_saved"] == 0 and r0["rounds"]["backward_rounds_saved"] == 0, r0
+    assert r0["one_round"]["collectives"] == r0["rounds"]["collectives"] == r1["one_round"]["collectives"]
+    # the reference: 4 steps on the union batch, then the last step's gradient with rank 1's rows counted twice
+    net = make_net(bn=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches(4, 12):
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    x, y = batches(1, 12, seed=7)[0]
+    opt.zero_grad()
+    half = rows_of(0, 2, 12)
+    ((F.mse_loss(net(x[half]), y[half]) + 2 * F.mse_loss(net(x[half.stop:]), y[half.stop:])) / 2).backward()
+    ref = state(net)
+    ts = {(r, name): torch.load(os.path.join(run.out, f"rank{r}.pt{name}")) for r in (0, 1)
+          for name in ("one_round", "rounds")}
+    for t in ts.values():
+        _same(t["params"], ref["params"])
+        _same(t["grads"], ref["grads"])
+    for r in (0, 1):
+        _same(ts[r, "one_round"]["params"], ts[r, "rounds"]["params"], exact=True)
+        _same(ts[r, "one_round"]["grads"], ts[r, "rounds"]["grads"], exact=True)
+    _same(ts[0, "one_round"]["grads"], ts[1, "one_round"]["grads"], exact=True)
 
 
 def test_buckets_leave_during_the_backward_and_a_late_gradient_is_combined_again(runs):
@@ -411,6 +452,10 @@ FAULTS = {  # name: (world, params, ranks that must survive with which error)
     "desync_with_buffers": (2, {"kind": "desync", "bn": True}, {0: "CollectiveDesyncError", 1: "CollectiveDesyncError"}),
     "worker_killed": (2, {"kind": "worker"}, {0: "PeerLostError", 1: "WorkerDiedError"}),
     "sigkill_of_3": (3, {"kind": "sigkill", "victim": 1}, {0: "PeerLostError", 2: "PeerLostError"}),
+    # the loss on the workers: the forward waits for it and runs in its round; the backward ran there too
+    "worker_killed_loss": (2, {"kind": "worker", "where": "before", "loss": True},
+                           {0: "PeerLostError", 1: "WorkerDiedError"}),
+    "desync_loss": (2, {"kind": "desync", "loss": True}, {0: "CollectiveDesyncError", 1: "CollectiveDesyncError"}),
 }
 
 
@@ -444,13 +489,14 @@ def test_peer_faults_end_every_survivor_promptly(faults, name):
         assert run.codes[r] == status, f"exit code {run.codes[r]} (134 = gloo's SIGABRT at teardown)\n{run.errs[r]}"
         assert took < 10 and exit_s < 5, (took, exit_s)  # bounds against 30-minute hangs, not a benchmark
         assert res["workers_alive"] == [], "the survivor's workers must be reaped when it raises"
+        assert res["told"] is True, "a failed synchronised call must end the rank's part in the job"
         desync = params["kind"] == "desync"
         if r != victim or desync and r == 0:
             assert res["unchanged"] is True, res["unchanged"]
         if error == "PeerLostError" or error == "PeerTimeoutError":
             assert res["lost_rank"] == victim, res["message"]
             assert f"rank {victim} (" in res["message"] and "pid" in res["message"]
-    if name == "worker_killed":
+    if name.startswith("worker_killed"):
         assert "WorkerDiedError" in run.result(0)["message"] and "SIGKILL" in run.result(0)["message"]
     if name == "sigstop":
         assert "heartbeat" in run.result(0)["message"]
