@@ -38,12 +38,14 @@ leaves the master untouched on every node.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import functools
 import itertools
 import json
 import logging
 import os
+import struct
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -65,6 +67,7 @@ _KINDS = {FORWARD: "a training forward", BACKWARD: "a backward"}
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's kDefaultFirstBucketBytes
 BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb=25
 _HEADER_BYTES = 24  # a header: three int64
+_HEADER = struct.Struct("=3q")  # its bytes, as the int64 tensor of an all-gathered header holds them
 _TAG = 0x64706F00  # point-to-point tags of the buckets' swaps: this plus the bucket's index
 _BREAK_TAG = _TAG - 1  # a receive nothing sends: its timeout ends a blocked swap (_break_swap)
 _WRAPS = itertools.count()  # per process: the wrap number in the store namespace (same on every rank)
@@ -243,6 +246,11 @@ class CrossNode:
         self.seq += 1
         return h
 
+    def next_header_bytes(self, kind: int, at: int) -> bytes:
+        """This rank's next header as bytes (those of :meth:`next_header`'s tensor), to carry behind a swap."""
+        self.seq += 1
+        return _HEADER.pack(kind, self.seq - 1, at)
+
     def start_header(self, kind: int, at: int) -> tuple[Any, str]:
         """Launch the header's all-gather; :meth:`check_header` reads it once the work completed."""
         doing = f"starting {_KINDS[kind]} (collective {self.seq})"
@@ -395,6 +403,7 @@ class CrossNodeReducer(Reducer):
         self._totals: list[torch.Tensor] = []
         self._works: list[tuple[Any, torch.Tensor, list[torch.Tensor] | None]] = []
         self._header_checked = False
+        self._sent_header = b""  # the folded header this rank sent with the step's first bucket
         self.early = 0  # buckets launched while the workers still ran (the overlap; tests and benchmarks read it)
 
     def bucket_members(self) -> list[list[int]]:
@@ -449,21 +458,35 @@ class CrossNodeReducer(Reducer):
         gi, a, b = self.plan[j]
         g = self.groups[gi]
         total = self._totals[gi]
-        out = self._sum([s[g][a:b] for s in self._slots], total[a:b])
-        out.mul_(1.0 / nodes.size)  # DDP's order: 1/N first (no overflow in half precision), then the SUM
+        mine = [s[g][a:b] for s in self._slots]
+        # DDP's order: 1/N first (no overflow in half precision), then the SUM
+        if len(mine) == 1 and self.p2p:  # one op: x * (1/N) into the total, as copying and then scaling gives
+            out = torch.mul(mine[0], 1.0 / nodes.size, out=total[a:b])
+        else:
+            out = self._sum(mine, total[a:b])
+            out.mul_(1.0 / nodes.size)
+        last, header = j == len(self.plan) - 1, j == 0 and self._post > 0
         start, stop = a, b
-        if j == len(self.plan) - 1:  # the trailer rides in front of the last bucket, unscaled: a SUM of 0/1
-            trailer = total.as_strided((self._pre,), (1,), total.storage_offset() - self._pre)
-            trailer[0] = float(self._late)
-            trailer[1:].copy_(torch.frombuffer(self._mask, dtype=torch.uint8))
-            start = -self._pre  # (the last bucket starts its group: a == 0)
-        if j == 0 and self._post:  # the folded header rides behind the first bucket (its group's end: b)
-            room = total.as_strided((self._post,), (1,), total.storage_offset() + b)
-            room.view(torch.uint8)[:_HEADER_BYTES].copy_(nodes.next_header(BACKWARD, self._header_at).view(torch.uint8))
+        if last:  # the trailer rides in front of the last bucket (which starts its group: a == 0)
+            start = -self._pre
+            if not self.p2p:  # as 0/1 values, unscaled: the SUM counts the nodes that used each parameter
+                trailer = total.as_strided((self._pre,), (1,), total.storage_offset() - self._pre)
+                trailer[0] = float(self._late)
+                trailer[1:].copy_(torch.frombuffer(self._mask, dtype=torch.uint8))
+        if header:  # the folded header rides behind the first bucket (its group's end: b); p2p only
             stop = b + self._post
         if start != a or stop != b:
             out = total.as_strided((stop - start,), (1,), total.storage_offset() + start)
         if self.p2p:
+            if last or header:  # written as bytes: a swap delivers them unchanged (see _finish)
+                raw = _raw(out)
+                if last:
+                    raw[0] = int(self._late)
+                    raw[1:self._pre] = self._mask
+                if header:
+                    self._sent_header = nodes.next_header_bytes(BACKWARD, self._header_at)
+                    at = (stop - start - self._post) * out.element_size()
+                    raw[at:at + _HEADER_BYTES] = self._sent_header
             theirs = self._recvs[j]
             if theirs is None:  # (a bucket's size, with its trailer and header, is fixed by the plan)
                 theirs = self._recvs[j] = torch.empty_like(out)
@@ -481,29 +504,44 @@ class CrossNodeReducer(Reducer):
 
     def _finish(self) -> tuple[bytearray, bool]:
         """Launch the buckets not launched yet; wait for all of them. Returns the trailer: the union of
-        the ranks' "used" masks and whether any rank was late."""
+        the ranks' "used" masks and whether any rank was late.
+
+        Two nodes of CPU masters (``p2p``) swap the trailer and the header as bytes: each rank reads the
+        other's from the receive buffer (through :func:`_raw`, which costs far less than torch ops on a few
+        bytes) before the add, which makes no sense of them; the union of the masks is their OR. Otherwise
+        the trailer is 0/1 values that the SUM counts.
+        """
         nodes = self.nodes
         while self._next < len(self.plan):
             self._launch(self._next)
+        last = len(self._works) - 1
+        late, union = False, self._mask
         for i, (work, out, pair) in enumerate(self._works):
             nodes.peers.wait(work, "combining the gradients", nodes.step)
             if pair is not None:
-                if i == 0 and self._post:  # the first bucket carried the ranks' headers: in step?
-                    self._check_folded(pair)
+                if self.p2p and (i == last or i == 0 and self._post):
+                    raw = _raw(self._recvs[i])  # the other rank's bucket, as it sent it
+                    if i == 0 and self._post:  # it carried the ranks' headers: in step?
+                        at = (raw.nbytes // out.element_size() - self._post) * out.element_size()
+                        self._check_folded(bytes(raw[at:at + _HEADER_BYTES]))
+                    if i == last:
+                        n = self._pre
+                        late = self._late or raw[0] != 0
+                        union = bytearray((int.from_bytes(self._mask, "little") | int.from_bytes(raw[1:n], "little"))
+                                          .to_bytes(n - 1, "little"))
                 torch.add(pair[0], pair[1], out=out)
         self._works = []
-        if not self.plan:
-            return self._mask, False
-        last = self._totals[-1]
-        trailer = last.as_strided((self._pre,), (1,), last.storage_offset() - self._pre)
+        if not self.plan or self.p2p:
+            return union, late
+        total = self._totals[-1]
+        trailer = total.as_strided((self._pre,), (1,), total.storage_offset() - self._pre)
         used = (trailer > 0).to(torch.uint8)
         return bytearray(used[1:].cpu().numpy().tobytes()), bool(used[0])
 
-    def _check_folded(self, pair: list[torch.Tensor]) -> None:
-        heads = [p[-self._post:].view(torch.uint8)[:_HEADER_BYTES] for p in pair]
-        if not torch.equal(heads[0], heads[1]):  # (bytes: int64 bit patterns read as floats could compare equal)
-            self.nodes.check_rows([tuple(torch.frombuffer(bytearray(h.cpu().numpy().tobytes()), dtype=torch.int64)
-                                         .tolist()) for h in heads])
+    def _check_folded(self, theirs: bytes) -> None:
+        if theirs != self._sent_header:
+            heads = [_HEADER.unpack(h) for h in (self._sent_header, theirs)]
+            self.nodes.check_rows(heads if self.nodes.rank == 0 else heads[::-1])
 
     def combine(self, slots: Sequence[Sequence[torch.Tensor]], mask: bytearray, at: int, late: bool = False
                 ) -> tuple[list[int], list[torch.Tensor], bytearray]:
@@ -525,6 +563,12 @@ class CrossNodeReducer(Reducer):
         finally:
             self._slots = None
             self._call = -1
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous CPU tensor ``t``, writable, without a torch op (``t`` must outlive them)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 def _buckets(numel: int, elsize: int) -> list[tuple[int, int]]:
