@@ -153,8 +153,9 @@ class _Deferred:
     every request in the order the program made it. ``close()`` drops a forward nothing used. A parameter
     changed in place before the deferred forward ran means it cannot run as it was called: its criterion raises
     :class:`ModelChangedError`; another call drops it, and its output raises that error when it is used. Only
-    for CPU workers, models without buffers, outside cross-node mode, with grad enabled;
-    ``DPOOL_FORWARD_WITH_LOSS=off`` turns it off.
+    for CPU workers, models without buffers (in cross-node mode: whose training forwards exchange nothing),
+    with grad enabled; ``DPOOL_FORWARD_WITH_LOSS=off`` turns it off. A cross-node training forward's failure
+    ends the node's part in the job wherever it runs (:meth:`Runtime._deferred_synced`), as in ``model(x)``.
 
     Ctrl-C: the calls a forward's messages tell the workers to release are told again (``Graphs.retell``)
     wherever the deferral, the round that sends it, or its dropping is cut; ``tests/test_lifecycle.py`` cuts

@@ -29,8 +29,8 @@ The header is three int64, all-gathered (or carried in the first bucket): (kind,
 training forward number).
 Every rank compares them and raises :class:`~dpool.errors.CollectiveDesyncError` (naming where each
 rank is) when they differ, before any bucket leaves. The trailer is this rank's "late" flag and its
-parameters' local "used" mask, as 0/1 values summed with the last bucket: their union is which
-parameters get a gradient.
+parameters' local "used" mask, carried in front of the last bucket (as bytes in a two-node swap, as 0/1
+values summed with the bucket otherwise): their union is which parameters get a gradient.
 
 Every wait is bounded by :class:`dpool.peers.Peers` (heartbeats, abort key, ``peer_timeout_s``).
 Gradients reach ``.grad`` only after every collective of the step completed, so a failed step
@@ -340,11 +340,13 @@ class CrossNodeReducer(Reducer):
        per step, which on a small model is most of the cross-node time (gloo's latency on loopback);
     2. every bucket (:func:`_buckets`, groups in order), whether or not a local shard used it;
     3. with the last bucket (the group's first parameters, whose gradients come last), a *trailer* in
-       front of it: whether a shard was ``late``, and the "used" mask as 0/1 values, unscaled, so the
-       SUM counts the nodes that used each parameter (their union decides which parameters get a
-       gradient: one used on any node gets the average, the nodes that did not use it contribute
-       zeros, one used nowhere stays ``None`` everywhere). The last bucket therefore always leaves
-       after the round; the trailer costs no collective of its own.
+       front of it: whether a shard was ``late``, and the "used" mask (their union decides which
+       parameters get a gradient: one used on any node gets the average, the nodes that did not use it
+       contribute zeros, one used nowhere stays ``None`` everywhere). A two-node swap (``p2p``) carries
+       it as bytes, which each rank reads from the other's receive buffer (:meth:`_finish`); a summing
+       collective carries it as 0/1 values, unscaled, so the SUM counts the nodes that used each
+       parameter. The last bucket therefore always leaves after the round; the trailer costs no
+       collective of its own.
 
     With ``overlap``, a bucket is summed and launched *during* the round, as soon as every local shard
     reported it complete (``bucket_ready``) and the buckets before it left, so its exchange runs while

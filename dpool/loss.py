@@ -22,7 +22,8 @@ restart or ``no_sync()`` touched the slots since; otherwise the backward round r
 the graph the workers kept, and gives the same numbers. A scaled loss (``(loss * c).backward()``,
 ``GradScaler``) or a loss never backpropagated turns the speculation off for that criterion until a
 backward would have used it, so such loops pay for at most one wasted backward per switch. CPU
-workers only, outside cross-node mode, and not for models with SyncBatchNorm or sparse gradients.
+workers only, and not for models with SyncBatchNorm or sparse gradients. In cross-node mode the
+reduce then averages across the nodes, as the backward round's does.
 """
 from __future__ import annotations
 
