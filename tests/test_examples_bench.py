@@ -120,19 +120,20 @@ def test_train_cnn_baseline_gets_the_same_allocator_setting():
 def test_benchmark_cross_node_setup_smoke(tmp_path):
     """The `nodes` setup (dpool's cross-node mode, 2 coordinators on loopback gloo) runs and reports its
     exposed cross-node time next to DDP's at the same process count, and, beside `nodes-serial` (no
-    overlap), how much of the exchange the overlap hid; beside `minimal-nodes`, its floor (whose numbers
-    tests/test_multinode.py checks), the ratios to it."""
+    overlap), how much of the exchange the overlap hid; `nodes-loss` (the loss on the workers) beside its
+    floor `minimal-nodes-loss` (``MinimalNode``, whose numbers tests/test_multinode.py checks), the ratios
+    to it and to DDP."""
     res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe", "--setups",
-                "nodes,nodes-serial,minimal-nodes,ddp", "--out", str(tmp_path)], timeout=300)
+                "nodes,nodes-serial,nodes-loss,minimal-nodes-loss,ddp", "--out", str(tmp_path)], timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     entry = json.loads((tmp_path / "smoke.json").read_text())["workloads"]["probe"]
-    assert set(entry["setups"]) == {"nodes", "nodes-serial", "minimal-nodes", "ddp"}
-    assert {"minimal-nodes/ddp", "nodes/minimal-nodes"} <= set(entry["ratios"])
+    assert set(entry["setups"]) == {"nodes", "nodes-serial", "nodes-loss", "minimal-nodes-loss", "ddp"}
+    assert {"nodes-loss/ddp", "minimal-nodes-loss/ddp", "nodes-loss/minimal-nodes-loss"} <= set(entry["ratios"])
     assert entry["nodes_exposed_collective_ms_per_step"] >= 0 and entry["nodes_serial_exposed_collective_ms_per_step"] >= 0
     assert entry["nodes_hidden_collective_ms_per_step"] == pytest.approx(
         entry["nodes_serial_exposed_collective_ms_per_step"] - entry["nodes_exposed_collective_ms_per_step"])
     assert "nodes/ddp" in res.stdout and "hidden behind the backward" in res.stdout
-    assert "nodes/minimal-nodes" in res.stdout
+    assert "nodes-loss/minimal-nodes-loss" in res.stdout
 
 
 def test_resnet18_workload_is_torchvisions_layout():
