@@ -209,7 +209,7 @@ class CrossNode:
         outs = [torch.zeros_like(buf) for _ in range(self.size)]
         self.peers.wait(dist.all_gather(outs, buf, group=self.group, async_op=True), doing, self.step)
         self.collectives += 2
-        return [bytes(o[:int(s)].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]
+        return [bytes(o[:int(s)].tolist()) for o, s in zip(outs, sizes)]  # (uint8 values; torch needs no numpy)
 
     def _broadcast_tensors(self, tensors: Sequence[torch.Tensor], doing: str) -> None:
         """Rank 0's values into ``tensors``, one broadcast per dtype (DDP's ``_sync_module_states``)."""
@@ -538,7 +538,7 @@ class CrossNodeReducer(Reducer):
         total = self._totals[-1]
         trailer = total.as_strided((self._pre,), (1,), total.storage_offset() - self._pre)
         used = (trailer > 0).to(torch.uint8)
-        return bytearray(used[1:].cpu().numpy().tobytes()), bool(used[0])
+        return bytearray(used[1:].tolist()), bool(used[0])
 
     def _check_folded(self, theirs: bytes) -> None:
         if theirs != self._sent_header:

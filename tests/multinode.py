@@ -16,6 +16,9 @@ import sys
 import threading
 import time
 
+if __name__ == "__main__" and json.loads(sys.argv[2]).get("without_numpy"):
+    sys.modules["numpy"] = None  # as where numpy is not installed (dpool does not depend on it): before torch
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -464,6 +467,11 @@ def main() -> None:
     dist.init_process_group(params.get("backend", "gloo"), timeout=datetime.timedelta(seconds=60))
     params["file"] = os.path.join(params["out"], f"rank{rank}.pt")
     result = SCENARIOS[name](rank, world, params)
+    try:
+        torch.zeros(1).numpy()
+        result["numpy"] = True
+    except RuntimeError:  # "Numpy is not available"
+        result["numpy"] = False
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
