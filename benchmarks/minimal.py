@@ -5,7 +5,8 @@ The performance issue asked whether dpool's distance to its targets is the desig
 program answers it by measurement. It has what dpool's two paths have, and nothing else:
 
 * persistent worker processes, started with dpool's own environment (``worker_env``: one thread each, the
-  heap kept), scheduling policy and CPU binding (``worker_cpus``);
+  heap kept), scheduling policy and CPU binding (``worker_cpus``; under torchrun the coordinator's too,
+  ``coordinator_cpus``);
 * the master's parameters in one shared-memory file that the replicas' parameters alias;
 * preallocated shared input, target, output, output-gradient and gradient slots, one of each per worker;
 * messages over ZeroMQ (a ROUTER and one DEALER per worker on ``ipc://``), each encoded and authenticated by
@@ -51,7 +52,8 @@ import torch.nn.functional as F
 import zmq
 
 from dpool import protocol as P
-from dpool.launch import worker_cpus, worker_env
+from dpool.cpus import bind_threads
+from dpool.launch import coordinator_cpus, worker_cpus, worker_env
 from dpool.transport.base import align, standalone
 
 __all__ = ["Minimal", "MinimalNode", "train"]
@@ -269,6 +271,9 @@ class MinimalNode:
         self.node, self.dist = node, dist
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.theirs = torch.empty_like(node.total) if self.world == 2 else None
+        # under torchrun, joins its workers on its local rank's share of the cores, as dpool's coordinator does
+        cpus = coordinator_cpus(1, ["cpu"] * len(node.procs))
+        self._unbind = bind_threads(cpus) if cpus is not None else None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """This node's step on its batch ``x, y``, then the gradient averaged across the nodes (in ``.grad``).
@@ -286,6 +291,9 @@ class MinimalNode:
         return loss
 
     def close(self) -> None:
+        if self._unbind is not None:
+            self._unbind()
+            self._unbind = None
         self.node.close()
 
 

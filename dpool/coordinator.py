@@ -51,12 +51,12 @@ from .accumulate import HeldGradients, hooked, refuse_change
 from .bridge import Bridge, CallState, DoubleBridge, DoubleState, Graphs, _user_stacklevel
 from .buffers import BufferCommit
 from .config import Config
-from .cpus import physical_cores
+from .cpus import bind_threads, physical_cores
 from .crossnode import FORWARD, CrossNode, CrossNodeReducer
 from .errors import (DpoolValueError, ModelChangedError, PoolBrokenError, UnpicklableModelError, UnsupportedError,
                      WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error)
 from .gpu import apply_backend_flags, backend_flags, check_free_memory, memory_report
-from .launch import forward_with_loss, reply_together, wait_spin
+from .launch import coordinator_cpus, forward_with_loss, reply_together, wait_spin
 from .layout import Layout
 from .loss import ShardedOutput, build_output, combine, predict_seed
 from .peers import arm_exit_guard
@@ -256,8 +256,13 @@ class Runtime:
             self.pool.hub.across = functools.partial(nodes.all_reduce, doing="combining SyncBatchNorm statistics")
         pool, devices = self.pool, self.devices  # (not self: a runtime in no cycle goes with its last reference)
         self.io = IORegions(self.n, lambda w, size: pool.new_segment(size, device=devices[w], owner=w))
+        self._unbind: Callable[[], None] | None = None  # undoes the coordinator's binding (close())
         try:
             self._start()
+            # under torchrun, the coordinator joins its workers on its local rank's share of the cores
+            cpus = coordinator_cpus(self.pool.threads, self.devices) if attach is None else None
+            if cpus is not None:
+                self._unbind = bind_threads(cpus)
         except BaseException:
             self.close()
             raise
@@ -1542,6 +1547,9 @@ class Runtime:
         if self._closed:
             return
         self._pending = None  # a deferred forward nothing used (see _Deferred): it never runs
+        unbind, self._unbind = self.__dict__.get("_unbind"), None
+        if unbind is not None:  # the coordinator's threads back where they were before wrap()
+            unbind()
         self._held.release(self.params)
         hook_gate.restore(self.params)  # gates a failed backward left on the parameters' hooks
         self.master.close()

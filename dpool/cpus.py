@@ -16,11 +16,11 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Callable
+from typing import Callable, Iterable
 
 import psutil
 
-__all__ = ["physical_cores", "allowed_cores", "cpu_quota", "local_share"]
+__all__ = ["physical_cores", "allowed_cores", "cpu_quota", "local_share", "bind_threads"]
 
 
 def physical_cores() -> int:
@@ -162,3 +162,19 @@ def _read_v1(folder: str) -> float | None:
 
 def _ratio(quota: int, period: int) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
+
+
+def bind_threads(cpus: Iterable[int]) -> Callable[[], None]:
+    """Bind every thread of this process to ``cpus`` (threads started later inherit their creator's mask), and
+    return what undoes it: every thread back to the mask this thread had before."""
+    before = os.sched_getaffinity(0)
+    _bind_all(set(cpus))
+    return functools.partial(_bind_all, before)
+
+
+def _bind_all(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass

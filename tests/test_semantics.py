@@ -556,21 +556,46 @@ def test_cpu_workers_are_bound_to_cores_of_their_own_when_their_threads_fill_the
     assert os.sched_getaffinity(0) == mine  # the user's own process is left alone
 
 
-def test_under_torchrun_each_coordinators_workers_are_bound_to_its_local_share_of_the_cores(wrap, monkeypatch):
+@pytest.mark.parametrize("policy", [None, "none"])
+def test_under_torchrun_each_coordinators_workers_are_bound_to_its_local_share_of_the_cores(wrap, monkeypatch,
+                                                                                            policy):
     """Two coordinators per machine (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE) whose workers fill the cores
-    between them: local rank 1's worker gets the second half, not the first core rank 0's worker has."""
+    between them: local rank 1's worker gets the second half, not the first core rank 0's worker has. The
+    coordinator joins it there while the pool is open (every thread of it, those started before wrap()
+    too: gloo's, ZeroMQ's), and close() puts them back; DPOOL_COORDINATOR_AFFINITY=none leaves it alone."""
+    import threading
+
     from dpool.cpus import allowed_cores
 
     cores = allowed_cores()
     assert len(cores) >= 2, "this test needs two cores"
+    if policy is not None:
+        monkeypatch.setenv("DPOOL_COORDINATOR_AFFINITY", policy)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    half = len(cores) // 2
-    model = wrap(nn.Linear(4, 4), ["cpu"], worker_threads=half)
-    model(torch.randn(8, 4)).sum().backward()
-    want = {cpu for core in cores[half:2 * half] for cpu in core}
-    tids = [int(t) for t in os.listdir(f"/proc/{model.pids[0]}/task")]
-    assert all(os.sched_getaffinity(t) == want for t in tids), want
+    mine = os.sched_getaffinity(0)
+    started = threading.Event()
+    done = threading.Event()
+    earlier = threading.Thread(target=lambda: (started.set(), done.wait(60)))  # a thread of the user's
+    earlier.start()
+    started.wait(10)
+    try:
+        half = len(cores) // 2
+        model = wrap(nn.Linear(4, 4), ["cpu"], worker_threads=half)
+        model(torch.randn(8, 4)).sum().backward()
+        want = {cpu for core in cores[half:2 * half] for cpu in core}
+        tids = [int(t) for t in os.listdir(f"/proc/{model.pids[0]}/task")]
+        assert all(os.sched_getaffinity(t) == want for t in tids), want
+        ours = [int(t) for t in os.listdir("/proc/self/task")]
+        assert len(ours) >= 3 and earlier.native_id in ours
+        coordinator = want if policy is None else mine
+        assert all(os.sched_getaffinity(t) == coordinator for t in ours), coordinator
+        model.close()
+        left = [int(t) for t in os.listdir("/proc/self/task")]  # (the pool's own threads ended)
+        assert earlier.native_id in left and all(os.sched_getaffinity(t) == mine for t in left), mine
+    finally:
+        done.set()
+        earlier.join()
 
 
 # the default device_ids are every visible GPU where there is one: the CPU defaults are tested without
