@@ -30,7 +30,8 @@ from .errors import DpoolError, DpoolValueError, WorkerDiedError, WorkerStartErr
 if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
-__all__ = ["worker_cpus", "coordinator_cpus", "COORDINATOR_AFFINITY_POLICIES", "reply_together", "REPLY_TOGETHER_POLICIES", "forward_with_loss", "FORWARD_WITH_LOSS_POLICIES",
+__all__ = ["worker_cpus", "coordinator_cpus", "COORDINATOR_AFFINITY_POLICIES", "reply_together",
+           "REPLY_TOGETHER_POLICIES", "forward_with_loss", "FORWARD_WITH_LOSS_POLICIES",
            "wait_spin", "WAIT_SPIN_US_DEFAULT",
            "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
            "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES", "WORKER_AFFINITY_POLICIES", "Worker", "Launcher", "Spawn",
