@@ -52,7 +52,7 @@ import torch.nn.functional as F
 import zmq
 
 from dpool import protocol as P
-from dpool.cpus import bind_threads
+from dpool.cpus import NoWakeupPreemption, bind_threads, threads_named
 from dpool.launch import coordinator_cpus, worker_cpus, worker_env
 from dpool.transport.base import align, standalone
 
@@ -274,6 +274,10 @@ class MinimalNode:
         # under torchrun, joins its workers on its local rank's share of the cores, as dpool's coordinator does
         cpus = coordinator_cpus(1, ["cpu"] * len(node.procs))
         self._unbind = bind_threads(cpus) if cpus is not None else None
+        # and posts its swap with gloo's loop threads kept from preempting it, as dpool does (NOTE [ gloo's loop
+        # thread ] in dpool/crossnode.py)
+        quiet = (os.environ.get("DPOOL_GLOO_LOOP", "") or "batch") == "batch"
+        self._loops = NoWakeupPreemption(threads_named("gloo_tcp_loop") if quiet else ())
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """This node's step on its batch ``x, y``, then the gradient averaged across the nodes (in ``.grad``).
@@ -285,7 +289,9 @@ class MinimalNode:
             self.dist.all_reduce(total)
         else:  # (both ranks add the same two halves: a + b == b + a, so they stay identical)
             other = 1 - self.rank
-            for req in (self.dist.isend(total, other), self.dist.irecv(self.theirs, other)):
+            with self._loops:
+                reqs = (self.dist.isend(total, other), self.dist.irecv(self.theirs, other))
+            for req in reqs:
                 req.wait()
             total.add_(self.theirs)
         return loss

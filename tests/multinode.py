@@ -153,6 +153,10 @@ def vs_ddp(rank: int, world: int, p: dict) -> dict:
     with torch.no_grad():
         model(data[0][0][sl])
     out["eval_collectives"] = nodes.collectives - before
+    # every swap was posted with gloo's loop threads under SCHED_BATCH, and they are back under SCHED_OTHER
+    from dpool.cpus import threads_named
+    out["quiet_posts"] = nodes.quiet_posts
+    out["loop_policies"] = [os.sched_getscheduler(t) for t in threads_named("gloo_tcp_loop")]
     model.close()
     return out
 

@@ -673,6 +673,48 @@ def test_cpu_quota_of_a_process_without_a_readable_proc_is_none(tmp_path):
     assert cpu_quota(str(tmp_path / "missing")) is None
 
 
+def test_threads_kept_from_preempting_are_under_sched_batch_inside_and_back_under_sched_other_after():
+    """What the cross-node swap does to gloo's loop threads while it posts (NOTE [ gloo's loop thread ] in
+    dpool/crossnode.py), on real threads of this process: found by name, under SCHED_BATCH inside the block and
+    SCHED_OTHER after it; one the user put under SCHED_IDLE is not touched; one that ended is dropped."""
+    import ctypes
+    import threading
+
+    from dpool.cpus import NoWakeupPreemption, threads_named
+
+    stop, named = threading.Event(), threading.Barrier(4)
+
+    def run(name: bytes) -> None:
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME: the thread's comm, as torch names gloo's
+        named.wait()
+        stop.wait()
+
+    names = [b"dpool-t-loop", b"dpool-t-loop", b"dpool-t-idle"]
+    threads = [threading.Thread(target=run, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    try:
+        named.wait()
+        loops, idle = sorted(t.native_id for t in threads[:2]), threads[2].native_id
+        assert sorted(threads_named("dpool-t-loop")) == loops
+        assert threads_named("dpool-t-idle") == [idle]
+        os.sched_setscheduler(idle, os.SCHED_IDLE, os.sched_param(0))  # the user's choice
+        quiet = NoWakeupPreemption(loops + [idle])
+        assert quiet.tids == loops
+        for _ in range(2):
+            with quiet:
+                assert [os.sched_getscheduler(t) for t in loops] == [os.SCHED_BATCH] * 2
+            assert [os.sched_getscheduler(t) for t in loops] == [os.SCHED_OTHER] * 2
+            assert os.sched_getscheduler(idle) == os.SCHED_IDLE
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    with quiet:  # the threads ended: dropped, no error
+        pass
+    assert quiet.tids == []
+
+
 def _cpu_cgroup_mount() -> tuple[str, str] | None:
     """A writable hierarchy with the cpu controller: (its mount point, "v1" or "v2"), or None."""
     with open("/proc/self/mountinfo") as f:
