@@ -134,6 +134,10 @@ class CrossNode:
     def __init__(self, group: Any, config: Config, device: torch.device, auto: bool = False) -> None:
         import torch.distributed as dist
 
+        policy = os.environ.get("DPOOL_GLOO_LOOP", "") or "batch"
+        if policy not in GLOO_LOOP_POLICIES:
+            raise DpoolValueError(f"DPOOL_GLOO_LOOP={policy!r} is not a policy; use one of "
+                                  f"{', '.join(GLOO_LOOP_POLICIES)} (unset it for the default, batch)")
         self.dist = dist
         self.group = group
         self.rank = dist.get_rank(group)
@@ -169,10 +173,6 @@ class CrossNode:
         self._closer = weakref.finalize(self, self.peers.stop)
         self._header: torch.Tensor | None = None
         self._headers: list[torch.Tensor] = []
-        policy = os.environ.get("DPOOL_GLOO_LOOP", "") or "batch"
-        if policy not in GLOO_LOOP_POLICIES:
-            raise DpoolValueError(f"DPOOL_GLOO_LOOP={policy!r} is not a policy; use one of "
-                                  f"{', '.join(GLOO_LOOP_POLICIES)} (unset it for the default, batch)")
         self._quiet_loops = policy == "batch"
         self._loops: NoWakeupPreemption | None = None  # found at the first swap (see NOTE [ gloo's loop thread ])
         self.quiet_posts = 0  # swaps posted with gloo's loop threads kept from preempting (tests count them)

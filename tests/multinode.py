@@ -134,8 +134,14 @@ def vs_ddp(rank: int, world: int, p: dict) -> dict:
         with torch.no_grad():
             for q in net.parameters():
                 q.add_(1.0)
+    os.environ["DPOOL_GLOO_LOOP"] = "sometimes"  # bad input: a clear error at wrap(), before any collective
+    try:
+        dpool.wrap(net, device_ids=["cpu"], worker_threads=1)
+    except ValueError as e:
+        bad_policy = str(e)
+    del os.environ["DPOOL_GLOO_LOOP"]
     model = dpool.wrap(net, device_ids=["cpu"], worker_threads=1)
-    out = {"rank": model.rank, "world_size": model.world_size, "is_main": model.is_main}
+    out = {"rank": model.rank, "world_size": model.world_size, "is_main": model.is_main, "bad_policy": bad_policy}
     opt_d = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     opt_m = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in data:

@@ -229,6 +229,8 @@ def test_one_worker_per_node_equals_ddp_bitwise(runs):
     _same(t0["dpool"]["buffers"], t0["ddp"]["buffers"], exact=True)
     _same(t1["dpool"]["buffers"], t1["ddp"]["buffers"], exact=True)
     _same(t0["dpool"]["params"], t1["dpool"]["params"], exact=True)  # ranks stay identical
+    for r in (r0, r1):
+        assert "DPOOL_GLOO_LOOP='sometimes' is not a policy; use one of batch, none" in r["bad_policy"]
     for r in (r0, r1):  # each step's one bucket was swapped with gloo's loop threads kept from preempting
         assert r["quiet_posts"] == 5, r["quiet_posts"]  # (NOTE [ gloo's loop thread ] in dpool/crossnode.py)
         assert r["loop_policies"] and set(r["loop_policies"]) == {os.SCHED_OTHER}, r["loop_policies"]
