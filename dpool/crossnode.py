@@ -82,8 +82,8 @@ _GLOO_LOOP_THREAD = "gloo_tcp_loop"  # the name torch gives the thread of gloo's
 # bytes arrive meanwhile (they do: both ranks post their swap at the same moment), the loop thread wakes,
 # preempts the posting thread if they share a core, and spins on the lock it holds until the scheduler's
 # next tick (4 ms here): measured on 2 cores, a 2-rank swap of 800 bytes took 0.2-0.6 ms on its own and
-# 1.9-2.9 ms with each rank bound to one core, where 35% of the cross-node probe's steps took one tick more
-# (4 ms against 1.4-1.8). So :meth:`CrossNode.exchange` posts with the loop threads under ``SCHED_BATCH``,
+# 1.9-2.9 ms with each rank bound to one core, and in one run a third of the cross-node probe's steps took
+# one tick more (4 ms against 1.4-1.8). So :meth:`CrossNode.exchange` posts with the loop threads under ``SCHED_BATCH``,
 # whose wake-ups never preempt (:class:`dpool.cpus.NoWakeupPreemption`), and puts them back right after,
 # before any wait: 70-90 µs for the swap, bound or not. Only around the posting: a loop thread left under
 # ``SCHED_BATCH`` also waited for ticks behind busy processes in every other collective (a 2-rank all-reduce
