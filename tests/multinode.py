@@ -140,8 +140,14 @@ def vs_ddp(rank: int, world: int, p: dict) -> dict:
     except ValueError as e:
         bad_policy = str(e)
     del os.environ["DPOOL_GLOO_LOOP"]
+    other = make_net() if rank == 0 else make_net().float()  # rank 1 wraps another model: both ranks refuse it
+    try:
+        dpool.wrap(other, device_ids=["cpu"], worker_threads=1)
+    except ValueError as e:
+        mismatch = str(e)
     model = dpool.wrap(net, device_ids=["cpu"], worker_threads=1)
-    out = {"rank": model.rank, "world_size": model.world_size, "is_main": model.is_main, "bad_policy": bad_policy}
+    out = {"rank": model.rank, "world_size": model.world_size, "is_main": model.is_main, "bad_policy": bad_policy,
+           "mismatch": mismatch, "first": [[n, list(q.shape)] for n, q in net.named_parameters()][0]}
     opt_d = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     opt_m = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in data:

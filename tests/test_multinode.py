@@ -231,6 +231,11 @@ def test_one_worker_per_node_equals_ddp_bitwise(runs):
     _same(t0["dpool"]["params"], t1["dpool"]["params"], exact=True)  # ranks stay identical
     for r in (r0, r1):
         assert "DPOOL_GLOO_LOOP='sometimes' is not a policy; use one of batch, none" in r["bad_policy"]
+        # a rank that wraps another model: every rank raises at wrap(), naming that rank and the tensor
+        name, shape = r0["first"]
+        assert (f"rank 1 wraps a different model than rank 0: its 0th tensor: parameter {name!r} has shape {shape} "
+                f"and dtype torch.float32, where rank 0 has parameter {name!r} with shape {shape} and dtype "
+                f"torch.float64") in r["mismatch"], r["mismatch"]
     for r in (r0, r1):  # each step's one bucket was swapped with gloo's loop threads kept from preempting
         assert r["quiet_posts"] == 5, r["quiet_posts"]  # (NOTE [ gloo's loop thread ] in dpool/crossnode.py)
         assert r["loop_policies"] and set(r["loop_policies"]) == {os.SCHED_OTHER}, r["loop_policies"]
