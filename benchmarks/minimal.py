@@ -52,7 +52,8 @@ import torch.nn.functional as F
 import zmq
 
 from dpool import protocol as P
-from dpool.cpus import NoWakeupPreemption, bind_threads, threads_named
+from dpool.cpus import bind_threads
+from dpool.crossnode import gloo_loop_policy, gloo_loops
 from dpool.launch import coordinator_cpus, worker_cpus, worker_env
 from dpool.transport.base import align, standalone
 
@@ -276,8 +277,7 @@ class MinimalNode:
         self._unbind = bind_threads(cpus) if cpus is not None else None
         # and posts its swap with gloo's loop threads kept from preempting it, as dpool does (NOTE [ gloo's loop
         # thread ] in dpool/crossnode.py)
-        quiet = (os.environ.get("DPOOL_GLOO_LOOP", "") or "batch") == "batch"
-        self._loops = NoWakeupPreemption(threads_named("gloo_tcp_loop") if quiet else ())
+        self._loops = gloo_loops(gloo_loop_policy())
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """This node's step on its batch ``x, y``, then the gradient averaged across the nodes (in ``.grad``).

@@ -174,27 +174,30 @@ def bind_threads(cpus: Iterable[int]) -> Callable[[], None]:
 
 
 def _bind_all(cpus: set[int]) -> None:
-    for tid in os.listdir("/proc/self/task"):
+    for tid in _thread_ids():
         try:
-            os.sched_setaffinity(int(tid), cpus)
+            os.sched_setaffinity(tid, cpus)
         except OSError:  # a thread that ended meanwhile
             pass
 
 
-def threads_named(name: str) -> list[int]:
-    """The native ids of this process's threads named ``name`` (``/proc/self/task/*/comm``); none where that
-    cannot be read."""
-    found: list[int] = []
+def _thread_ids() -> list[int]:
+    """The native ids of this process's threads (none where ``/proc`` cannot be read)."""
     try:
-        tids = os.listdir("/proc/self/task")
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
     except OSError:
-        return found
-    for tid in tids:
+        return []
+
+
+def threads_named(name: str) -> list[int]:
+    """The native ids of this process's threads named ``name`` (``/proc/self/task/*/comm``)."""
+    found: list[int] = []
+    for tid in _thread_ids():
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if f.read().strip() == name:
-                    found.append(int(tid))
-        except (OSError, ValueError):  # a thread that ended meanwhile
+                    found.append(tid)
+        except OSError:  # a thread that ended meanwhile
             pass
     return found
 

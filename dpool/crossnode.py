@@ -59,7 +59,8 @@ from .layout import Layout
 from .peers import Peer, Peers
 from .reduce import Reducer
 
-__all__ = ["CrossNode", "CrossNodeReducer", "resolve_group", "FORWARD", "BACKWARD", "GLOO_LOOP_POLICIES"]
+__all__ = ["CrossNode", "CrossNodeReducer", "resolve_group", "gloo_loop_policy", "gloo_loops", "FORWARD", "BACKWARD",
+           "GLOO_LOOP_POLICIES"]
 
 log = logging.getLogger("dpool")
 
@@ -88,6 +89,25 @@ _GLOO_LOOP_THREAD = "gloo_tcp_loop"  # the name torch gives the thread of gloo's
 # before any wait: 70-90 µs for the swap, bound or not. Only around the posting: a loop thread left under
 # ``SCHED_BATCH`` also waited for ticks behind busy processes in every other collective (a 2-rank all-reduce
 # of 200 floats beside two busy processes took 7.2 ms against 1.7). ``DPOOL_GLOO_LOOP=none`` turns it off.
+
+
+def gloo_loop_policy() -> str:
+    """``DPOOL_GLOO_LOOP`` (see NOTE [ gloo's loop thread ]): ``batch`` (the default) or ``none``.
+
+    Raises:
+        DpoolValueError: another value.
+    """
+    policy = os.environ.get("DPOOL_GLOO_LOOP", "") or "batch"
+    if policy not in GLOO_LOOP_POLICIES:
+        raise DpoolValueError(f"DPOOL_GLOO_LOOP={policy!r} is not a policy; use one of "
+                              f"{', '.join(GLOO_LOOP_POLICIES)} (unset it for the default, batch)")
+    return policy
+
+
+def gloo_loops(policy: str) -> NoWakeupPreemption:
+    """gloo's loop threads of this process, to post a swap with (none under ``policy="none"``); found when
+    called, so after the process group made them."""
+    return NoWakeupPreemption(threads_named(_GLOO_LOOP_THREAD) if policy == "batch" else ())
 
 
 def resolve_group(process_group: Any) -> Any:
@@ -134,10 +154,7 @@ class CrossNode:
     def __init__(self, group: Any, config: Config, device: torch.device, auto: bool = False) -> None:
         import torch.distributed as dist
 
-        policy = os.environ.get("DPOOL_GLOO_LOOP", "") or "batch"
-        if policy not in GLOO_LOOP_POLICIES:
-            raise DpoolValueError(f"DPOOL_GLOO_LOOP={policy!r} is not a policy; use one of "
-                                  f"{', '.join(GLOO_LOOP_POLICIES)} (unset it for the default, batch)")
+        self._loop_policy = gloo_loop_policy()  # (a bad value fails here, before anything starts)
         self.dist = dist
         self.group = group
         self.rank = dist.get_rank(group)
@@ -173,7 +190,6 @@ class CrossNode:
         self._closer = weakref.finalize(self, self.peers.stop)
         self._header: torch.Tensor | None = None
         self._headers: list[torch.Tensor] = []
-        self._quiet_loops = policy == "batch"
         self._loops: NoWakeupPreemption | None = None  # found at the first swap (see NOTE [ gloo's loop thread ])
         self.quiet_posts = 0  # swaps posted with gloo's loop threads kept from preempting (tests count them)
         if auto and self.rank == 0:
@@ -329,7 +345,7 @@ class CrossNode:
         dist, other = self.dist, self._other
         tag = _TAG + slot
         if self._loops is None:
-            self._loops = NoWakeupPreemption(threads_named(_GLOO_LOOP_THREAD) if self._quiet_loops else ())
+            self._loops = gloo_loops(self._loop_policy)
         with self._loops:
             works = (dist.isend(mine, other, group=self.group, tag=tag),
                      dist.irecv(theirs, other, group=self.group, tag=tag))
