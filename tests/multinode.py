@@ -134,12 +134,14 @@ def vs_ddp(rank: int, world: int, p: dict) -> dict:
         with torch.no_grad():
             for q in net.parameters():
                 q.add_(1.0)
+    bad_policy = mismatch = ""  # (stay empty where wrap() does not refuse: the test's assertions say so)
     os.environ["DPOOL_GLOO_LOOP"] = "sometimes"  # bad input: a clear error at wrap(), before any collective
     try:
         dpool.wrap(net, device_ids=["cpu"], worker_threads=1)
     except ValueError as e:
         bad_policy = str(e)
-    del os.environ["DPOOL_GLOO_LOOP"]
+    finally:
+        del os.environ["DPOOL_GLOO_LOOP"]
     other = make_net() if rank == 0 else make_net().float()  # rank 1 wraps another model: both ranks refuse it
     try:
         dpool.wrap(other, device_ids=["cpu"], worker_threads=1)
