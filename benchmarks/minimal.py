@@ -53,8 +53,9 @@ import zmq
 
 from dpool import protocol as P
 from dpool.cpus import bind_threads
-from dpool.crossnode import gloo_loop_policy, gloo_loops
-from dpool.launch import coordinator_cpus, worker_cpus, worker_env
+from dpool.crossnode import gloo_loops
+from dpool.launch import worker_env
+from dpool.policies import coordinator_cpus, gloo_loop_policy, worker_cpus
 from dpool.transport.base import align, standalone
 
 __all__ = ["Minimal", "MinimalNode", "train"]

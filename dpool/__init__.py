@@ -64,10 +64,10 @@ def __dir__() -> list[str]:
 def _configure_logging() -> None:
     """``DPOOL_DEBUG=1`` or ``DPOOL_LOG_LEVEL=<level>``: show the "dpool" logger's records on stderr."""
     import logging
-    import os
 
-    level = os.environ.get("DPOOL_LOG_LEVEL") or ("DEBUG" if os.environ.get("DPOOL_DEBUG") not in (None, "", "0")
-                                                  else None)
+    from . import knobs
+
+    level = knobs.get("DPOOL_LOG_LEVEL") or ("DEBUG" if knobs.get("DPOOL_DEBUG") else None)
     if level:
         logger = logging.getLogger("dpool")
         logger.setLevel(level.upper())

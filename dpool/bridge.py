@@ -19,17 +19,48 @@ import os
 import sys
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from .tensors import Placer, read
 from .errors import GatherError, UnsupportedError
 
-if TYPE_CHECKING:
-    from .coordinator import Runtime
+__all__ = ["Bridge", "CallState", "DoubleBridge", "DoubleState", "Graphs", "Host"]
 
-__all__ = ["Bridge", "CallState", "DoubleBridge", "DoubleState", "Graphs"]
+
+class Host(Protocol):
+    """What the bridge and the loss need of the runtime that made a call (:class:`dpool.step.Runtime`)."""
+
+    io: Any
+    graphs: "Graphs"
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def output_device(self) -> torch.device: ...
+
+    @property
+    def no_sync(self) -> bool: ...
+
+    @property
+    def params(self) -> list[torch.Tensor]: ...
+
+    def backward(self, state: Any, grads: Sequence[torch.Tensor | None], pieces: Any = None,
+                 param_idx: Sequence[int] = (), taken: Any = None) -> list[torch.Tensor | None]: ...
+
+    def backward_speculated(self, state: Any, guess: Any, hit: bool, crit: Any,
+                            param_idx: Sequence[int]) -> list[torch.Tensor | None] | None: ...
+
+    def criterion(self, handle: Any, crit: Any, targets: tuple) -> torch.Tensor: ...
+
+    def gather_kept(self, handle: Any) -> Any: ...
+
+    def double_backward(self, double: Any, vs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]: ...
 
 _SCALAR_WARNING = (
     "Was asked to gather along dimension 0, but all input tensors were scalars; "
@@ -209,9 +240,11 @@ class Graphs:
 class CallState:
     """What the coordinator knows about one forward call until its graph is released."""
 
-    def __init__(self, runtime: "Runtime", call: int, k: int, groups: list[list[int]], metas: list[list],
+    def __init__(self, runtime: Host, call: int, k: int, groups: list[list[int]], metas: list[list],
                  outs: list[Any], splits: list, gin_sizes: list[int], rg: list[bool],
-                 shard_shapes: list[list[torch.Size]]) -> None:
+                 shard_shapes: list[list[torch.Size]], fseq: int = 0, diff_inputs: Sequence[torch.Tensor] = (),
+                 diff_idx: Sequence[int] = (), params: Sequence[torch.Tensor] = (),
+                 versions: Sequence[int] = ()) -> None:
         self.runtime = runtime
         self.call = call
         self.k = k
@@ -224,13 +257,14 @@ class CallState:
         self.shard_shapes = shard_shapes
         self.ctx: Any = None
         self.rows: list[int] = [1] * k
-        self.fseq = 0  # cross-node mode: the training forward this call was (its backward's header names it)
-        self.diff_inputs: list[torch.Tensor] = []  # set by the runtime: what a double backward differentiates
-        self.diff_params: list[torch.Tensor] = []
-        self.diff_idx: list[int] = []  # the indices of diff_params among the master's parameters
-        self.params: list[torch.Tensor] = []  # the master's parameters at the forward, and their autograd
-        self.versions: list[int] = []  # versions after it (a training forward's; see Runtime.check_params)
-        self.input_devices: list[torch.device] = []  # of the inputs that require grad, in order
+        self.fseq = fseq  # cross-node mode: the training forward this call was (its backward's header names it)
+        self.diff_inputs = list(diff_inputs)  # the inputs that require grad: what a double backward differentiates
+        self.diff_idx = list(diff_idx)  # the indices of diff_params among the master's parameters
+        self.params = list(params)  # the master's parameters at the forward
+        self.diff_params = [self.params[i] for i in self.diff_idx]
+        # the parameters' versions after it (a training forward's; see dpool.step.backward.check_params)
+        self.versions = list(versions)
+        self.input_devices = [t.device for t in self.diff_inputs]  # of the inputs that require grad, in order
         dim = runtime.dim
         self.differentiable = [any(metas[s][g[s]].requires_grad for s in range(k)) for g in groups]
         self.stacked = [runtime.n > 1 and all(len(metas[s][g[s]].shape) == 0 for s in range(k)) for g in groups]
@@ -373,7 +407,7 @@ class DoubleState:
     (``roots`` order), then the inputs.
     """
 
-    def __init__(self, runtime: "Runtime", state: CallState, call: int, per_shard: list[list[Any]],
+    def __init__(self, runtime: Host, state: CallState, call: int, per_shard: list[list[Any]],
                  grads: Sequence[torch.Tensor | None], out: list[torch.Tensor | None]) -> None:
         self.runtime, self.state, self.call, self.k = runtime, state, call, state.k
         self.ctx: Any = None

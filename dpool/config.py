@@ -1,4 +1,4 @@
-"""dpool's settings in one place: defaults, ``DPOOL_*`` environment overrides, units.
+"""dpool's settings in one place: limits and timeouts, with ``DPOOL_*`` overrides (:mod:`dpool.knobs`), units.
 
 Durations are in seconds (``*_s`` fields). A :class:`Config` is built in the
 coordinator and the part the workers need is shipped to them at start-up,
@@ -7,21 +7,18 @@ so nothing relies on inherited globals.
 from __future__ import annotations
 
 import dataclasses
-import os
+import functools
 from dataclasses import dataclass, field
 from typing import Any
+
+from . import knobs
 
 __all__ = ["Config"]
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw.rstrip("s"))
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not a number of seconds") from None
+def _env(name: str) -> Any:
+    """A field's default: knob ``name``, read when the :class:`Config` is made (see :mod:`dpool.knobs`)."""
+    return field(default_factory=functools.partial(knobs.get, name))
 
 
 @dataclass
@@ -52,17 +49,17 @@ class Config:
             exchanges them after it).
     """
 
-    heartbeat_interval_s: float = field(default_factory=lambda: _env_float("DPOOL_HEARTBEAT_INTERVAL", 0.2))
-    heartbeat_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_HEARTBEAT_TIMEOUT", 10.0))
-    step_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_STEP_TIMEOUT", 600.0))
-    startup_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_STARTUP_TIMEOUT", 60.0))
+    heartbeat_interval_s: float = _env("DPOOL_HEARTBEAT_INTERVAL")
+    heartbeat_timeout_s: float = _env("DPOOL_HEARTBEAT_TIMEOUT")
+    step_timeout_s: float = _env("DPOOL_STEP_TIMEOUT")
+    startup_timeout_s: float = _env("DPOOL_STARTUP_TIMEOUT")
     shutdown_timeout_s: float = 2.0
-    shm_dir: str = field(default_factory=lambda: os.environ.get("DPOOL_SHM_DIR", "/dev/shm"))
+    shm_dir: str = _env("DPOOL_SHM_DIR")
     max_message_bytes: int = 64 * 1024 * 1024
-    peer_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_PEER_TIMEOUT", 600.0))
-    peer_heartbeat_s: float = field(default_factory=lambda: _env_float("DPOOL_PEER_HEARTBEAT", 1.0))
-    peer_heartbeat_timeout_s: float = field(default_factory=lambda: _env_float("DPOOL_PEER_HEARTBEAT_TIMEOUT", 30.0))
-    cross_node_overlap: bool = field(default_factory=lambda: os.environ.get("DPOOL_CROSS_NODE_OVERLAP", "1") != "0")
+    peer_timeout_s: float = _env("DPOOL_PEER_TIMEOUT")
+    peer_heartbeat_s: float = _env("DPOOL_PEER_HEARTBEAT")
+    peer_heartbeat_timeout_s: float = _env("DPOOL_PEER_HEARTBEAT_TIMEOUT")
+    cross_node_overlap: bool = _env("DPOOL_CROSS_NODE_OVERLAP")
 
     def replace(self, **changes: Any) -> "Config":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

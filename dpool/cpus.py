@@ -209,7 +209,8 @@ class NoWakeupPreemption:
     thread running on its core when it wakes up; it runs when that thread blocks, on a free core, or at the
     next scheduler tick. Its share of the CPU is what it was. On leaving, each is back under ``SCHED_OTHER``.
     (``SCHED_IDLE`` would do the first too, but a process without ``CAP_SYS_NICE`` cannot leave it again, and
-    under load it starves: a 16 MB swap over gloo took 825 ms instead of 27 with two busy processes on 2 cores.)
+    under load it starves: a swap over gloo beside two busy processes took thirty times as long; see
+    docs/performance.md.)
 
     Only threads under ``SCHED_OTHER`` when given are taken: a policy set by someone else is left alone. A
     thread that ended, or whose policy cannot be set, is dropped.

@@ -55,12 +55,12 @@ from torch import nn
 from .config import Config
 from .cpus import NoWakeupPreemption, threads_named
 from .errors import CollectiveDesyncError, DpoolValueError, UnsupportedError
+from .policies import gloo_loop_policy
 from .layout import Layout
 from .peers import Peer, Peers
 from .reduce import Reducer
 
-__all__ = ["CrossNode", "CrossNodeReducer", "resolve_group", "gloo_loop_policy", "gloo_loops", "FORWARD", "BACKWARD",
-           "GLOO_LOOP_POLICIES"]
+__all__ = ["CrossNode", "CrossNodeReducer", "resolve_group", "gloo_loops", "FORWARD", "BACKWARD"]
 
 log = logging.getLogger("dpool")
 
@@ -73,7 +73,6 @@ _HEADER = struct.Struct("=3q")  # its bytes, as the int64 tensor of an all-gathe
 _TAG = 0x64706F00  # point-to-point tags of the buckets' swaps: this plus the bucket's index
 _BREAK_TAG = _TAG - 1  # a receive nothing sends: its timeout ends a blocked swap (_break_swap)
 _WRAPS = itertools.count()  # per process: the wrap number in the store namespace (same on every rank)
-GLOO_LOOP_POLICIES = ("batch", "none")  # DPOOL_GLOO_LOOP: see NOTE [ gloo's loop thread ]
 _GLOO_LOOP_THREAD = "gloo_tcp_loop"  # the name torch gives the thread of gloo's TCP device
 
 # NOTE [ gloo's loop thread ]
@@ -82,26 +81,12 @@ _GLOO_LOOP_THREAD = "gloo_tcp_loop"  # the name torch gives the thread of gloo's
 # ``epoll_wait`` when it cannot take it. An ``isend``/``irecv`` holds that lock while it posts. When the peer's
 # bytes arrive meanwhile (they do: both ranks post their swap at the same moment), the loop thread wakes,
 # preempts the posting thread if they share a core, and spins on the lock it holds until the scheduler's
-# next tick (4 ms here): measured on 2 cores, a 2-rank swap of 800 bytes took 0.2-0.6 ms on its own and
-# 1.9-2.9 ms with each rank bound to one core, and in one run a third of the cross-node probe's steps took
-# one tick more (4 ms against 1.4-1.8). So :meth:`CrossNode.exchange` posts with the loop threads under ``SCHED_BATCH``,
-# whose wake-ups never preempt (:class:`dpool.cpus.NoWakeupPreemption`), and puts them back right after,
-# before any wait: 70-90 µs for the swap, bound or not. Only around the posting: a loop thread left under
-# ``SCHED_BATCH`` also waited for ticks behind busy processes in every other collective (a 2-rank all-reduce
-# of 200 floats beside two busy processes took 7.2 ms against 1.7). ``DPOOL_GLOO_LOOP=none`` turns it off.
-
-
-def gloo_loop_policy() -> str:
-    """``DPOOL_GLOO_LOOP`` (see NOTE [ gloo's loop thread ]): ``batch`` (the default) or ``none``.
-
-    Raises:
-        DpoolValueError: another value.
-    """
-    policy = os.environ.get("DPOOL_GLOO_LOOP", "") or "batch"
-    if policy not in GLOO_LOOP_POLICIES:
-        raise DpoolValueError(f"DPOOL_GLOO_LOOP={policy!r} is not a policy; use one of "
-                              f"{', '.join(GLOO_LOOP_POLICIES)} (unset it for the default, batch)")
-    return policy
+# next tick: with each rank bound to one core a small swap took several times as long, and some cross-node
+# probe steps a whole tick more (docs/performance.md). So :meth:`CrossNode.exchange` posts with the loop
+# threads under ``SCHED_BATCH``, whose wake-ups never preempt (:class:`dpool.cpus.NoWakeupPreemption`), and
+# puts them back right after, before any wait. Only around the posting: a loop thread left under
+# ``SCHED_BATCH`` also waited for ticks behind busy processes in every other collective.
+# ``DPOOL_GLOO_LOOP=none`` turns it off.
 
 
 def gloo_loops(policy: str) -> NoWakeupPreemption:
@@ -335,8 +320,8 @@ class CrossNode:
         swap to be waited for with :meth:`Peers.wait <dpool.peers.Peers.wait>`.
 
         gloo runs an asynchronous collective on a thread of its own, which made a 2-rank all-gather
-        cost 390-630 µs on loopback here (1.45-1.55 ms for 1 MiB), while an isend/irecv pair, posted
-        and waited for from this thread, took 150-200 µs (600-670 µs). A receive cannot be waited for
+        cost about twice as much as an isend/irecv pair posted and waited for from this thread
+        (docs/performance.md). A receive cannot be waited for
         in ticks (gloo closes the connection when a timed wait on it runs out), so this thread blocks in
         it, and the heartbeat thread ends that wait if a failure shows meanwhile (:func:`_break_swap`).
         ``slot`` keeps a step's exchanges apart (gloo matches them by tag). gloo's loop threads may not
@@ -365,7 +350,7 @@ class CrossNode:
 def _break_swap(dist: Any, other: int, group: Any) -> None:
     """End a swap with rank ``other`` that this rank's main thread is blocked in (the heartbeat thread calls it
     when the other rank aborted, froze or lost the store, or ``peer_timeout_s`` ran out): a receive that
-    nothing will answer, waited for 1 ms, runs out, and gloo then closes every connection of the group, so
+    nothing will answer, waited for a millisecond, runs out, and gloo then closes every connection of the group, so
     the blocked receive raises at once. The group is unusable afterwards; the job is over anyway."""
     try:
         dist.irecv(torch.empty(1), other, group=group, tag=_BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
@@ -406,8 +391,8 @@ class CrossNodeReducer(Reducer):
     With two nodes a bucket's SUM is a swap and one local add (in rank order, so every rank holds the
     same bytes, equal to the all-reduce's: a sum of two terms does not depend on their order). The
     traffic is the same as a ring all-reduce's at N = 2. CPU masters swap point to point
-    (:meth:`CrossNode.exchange`: 150-200 µs on loopback), CUDA masters with an all-gather (gloo's took
-    390-630 µs, its all-reduce 1.1-1.4 ms, measured).
+    (:meth:`CrossNode.exchange`), CUDA masters with an all-gather (gloo's, cheaper than its all-reduce,
+    as measured in docs/performance.md).
 
     Args:
         nodes: this node among the others.

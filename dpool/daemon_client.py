@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from . import protocol as P
+from . import knobs, protocol as P
 from .channel import Channel
 from .errors import PoolNotFoundError
 
@@ -103,7 +103,7 @@ def locate(pool: str) -> tuple[str, bytes, str]:
     """Endpoint, key and a label of ``pool``: a pool name, or ``tcp://HOST:PORT`` of a pool started
     with ``--listen``, whose key is read from the file named by ``DPOOL_KEY_FILE``."""
     if pool.startswith("tcp://"):
-        path = os.environ.get("DPOOL_KEY_FILE")
+        path = knobs.get("DPOOL_KEY_FILE")
         if not path:
             raise ValueError(
                 f"attaching to {pool} needs the pool's key: set DPOOL_KEY_FILE to its key file "

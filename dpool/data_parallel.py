@@ -13,7 +13,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from .coordinator import Runtime
+from . import knobs
+from .step import Runtime
 from .config import Config
 from .cpus import local_share, physical_cores
 from .crossnode import CrossNode, resolve_group
@@ -142,7 +143,7 @@ class DataParallel(nn.DataParallel):
                 "it, reuse the model dpool.wrap() returned, or call dpool.wrap() with the same arguments.",
                 UserWarning, stacklevel=4 if _in_wrap() else 2)
             old.close()
-        pool = pool if pool is not None else (os.environ.get("DPOOL_POOL") or None)
+        pool = pool if pool is not None else knobs.get("DPOOL_POOL")
         if pool is not None:  # attach to a running dpool-workers daemon: its devices
             devices = pool_devices(pool)
             if device_ids is not None and parse_devices(device_ids) != devices:
@@ -425,7 +426,7 @@ def _in_wrap() -> bool:
 def _wrap_args(device_ids: Any, output_device: Any, dim: int, kwargs: dict) -> tuple:
     """What ``wrap()`` compares to decide that a call repeats the one that made a live model."""
     return (None if device_ids is None else [str(d) for d in device_ids], str(output_device), dim,
-            sorted(kwargs.items(), key=lambda kv: kv[0]), os.environ.get("DPOOL_POOL"))
+            sorted(kwargs.items(), key=lambda kv: kv[0]), knobs.get("DPOOL_POOL"))
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -46,7 +46,7 @@ _DEFAULT_GETSTATE = getattr(object, "__getstate__", None)
 # The training loop's objects, which a model sometimes holds (``self.opt = Adam(self.parameters())``, a
 # scheduler, a GradScaler). They change at every step, and a scheduler pickles as its __dict__, optimizer
 # and all: followed, the model was shipped again before every forward, with the optimizer's state tensors
-# by value (8 layers of 512x512 with Adam: 200 ms a step instead of 16). They stay with the coordinator:
+# by value (a step took over ten times as long with Adam). They stay with the coordinator:
 # the workers get a LeftBehind in their place, which raises if forward() uses it.
 _TRAINING_LOOP = tuple(t for t in (torch.optim.Optimizer, getattr(torch.optim.lr_scheduler, "LRScheduler", None),
                                    torch.optim.lr_scheduler.ReduceLROnPlateau, getattr(torch.amp, "GradScaler", None),

@@ -24,17 +24,14 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import protocol as P
-from .cpus import allowed_cores, local_share, physical_cores
-from .errors import DpoolError, DpoolValueError, WorkerDiedError, WorkerStartError
+from .errors import DpoolError, WorkerDiedError, WorkerStartError
+from .policies import worker_cpus, worker_sched
 
 if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
     from .pool import Pool
 
-__all__ = ["worker_cpus", "coordinator_cpus", "COORDINATOR_AFFINITY_POLICIES", "reply_together",
-           "REPLY_TOGETHER_POLICIES", "forward_with_loss", "FORWARD_WITH_LOSS_POLICIES",
-           "wait_spin", "WAIT_SPIN_US_DEFAULT",
-           "worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
-           "WORKER_MALLOC_KEEP", "WORKER_SCHED_POLICIES", "WORKER_AFFINITY_POLICIES", "Worker", "Launcher", "Spawn",
+__all__ = ["worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
+           "WORKER_MALLOC_KEEP", "Worker", "Launcher", "Spawn",
            "start_worker", "kill_strays", "WORKER_OF", "join_or_kill", "signal_name", "show_output"]
 
 _DPOOL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,149 +69,6 @@ def worker_command(program: str = "worker", *args: str) -> list[str]:
 
 
 WORKER_MALLOC_KEEP = 1 << 30  # bytes: blocks up to 1 GiB come from (and stay in) the heap
-# ``DPOOL_WORKER_SCHED``: the Linux scheduling policy of a worker's threads (see ``worker_env`` and
-# workers/worker.py's ``set_scheduling``): ``batch``, ``other`` (Linux's default policy), or ``auto``
-# (the default: ``batch`` while every worker can have a physical core of its own, else ``other``).
-WORKER_SCHED_POLICIES = ("auto", "batch", "other")
-
-
-# ``DPOOL_WORKER_AFFINITY``: which CPUs a CPU worker's threads may run on (see ``worker_cpus``): ``cores``
-# (worker k on cores of its own), ``none`` (wherever Linux puts them), or ``auto`` (the default:
-# ``cores`` for CPU workers whose threads fill exactly the cores this process may use, else ``none``).
-WORKER_AFFINITY_POLICIES = ("auto", "cores", "none")
-
-
-def worker_cpus(index: int, threads: int, workers: int, device: str) -> list[int] | None:
-    """The logical CPUs worker ``index`` of ``workers`` is bound to (``None``: not bound), per ``DPOOL_WORKER_AFFINITY``.
-
-    Worker ``k`` gets ``threads`` physical cores of its own, the ``k``-th such run of the cores this
-    process may use (with their hyperthreads), wrapping around when they run out. Its main thread and
-    its ZeroMQ I/O thread then hand each message over on one core: probe and mlp steps measured 4-7%
-    faster bound than unbound (docs/performance.md, "Worker affinity"). Under torchrun with several
-    coordinators per machine whose workers together fill the cores, each coordinator's workers take
-    its ``LOCAL_RANK``'s share of them.
-
-    ``auto`` binds only CPU workers whose threads fill exactly the cores we may use (the default
-    layout): a pool that leaves cores free (``worker_threads`` set lower, or two jobs on one machine)
-    would put every job's workers on the same first cores. GPU workers are left alone: where their
-    cores should be depends on the GPU's NUMA node.
-    """
-    policy = os.environ.get("DPOOL_WORKER_AFFINITY", "") or "auto"
-    if policy not in WORKER_AFFINITY_POLICIES:
-        raise DpoolValueError(f"DPOOL_WORKER_AFFINITY={policy!r} is not a worker affinity policy; use one of "
-                              f"{', '.join(WORKER_AFFINITY_POLICIES)} (unset it for the default, auto)")
-    if policy == "none" or not hasattr(os, "sched_setaffinity"):
-        return None
-    cores = allowed_cores()
-    rank, size = local_share()
-    if size > 1 and workers * threads * size == len(cores):  # torchrun: this coordinator's share of the cores
-        cores = cores[rank * workers * threads:(rank + 1) * workers * threads]
-    if policy == "auto" and (not device.startswith("cpu") or workers * threads != len(cores)):
-        return None
-    start = index * threads
-    return sorted(cpu for i in range(start, start + threads) for cpu in cores[i % len(cores)])
-
-
-# ``DPOOL_COORDINATOR_AFFINITY``: whether a coordinator under torchrun joins its workers on its local rank's
-# share of the cores (see ``coordinator_cpus``): ``auto`` (the default) or ``none``.
-COORDINATOR_AFFINITY_POLICIES = ("auto", "none")
-
-
-def coordinator_cpus(threads: int, devices: Sequence[str]) -> list[int] | None:
-    """The logical CPUs this coordinator binds itself to while its pool is open (``None``: not bound), per
-    ``DPOOL_COORDINATOR_AFFINITY``.
-
-    Under torchrun with several coordinators per machine whose CPU workers together fill the cores,
-    :func:`worker_cpus` gives each coordinator's workers its ``LOCAL_RANK``'s share of them. ``auto`` (the
-    default) then binds the coordinator to that share too: it and its workers take turns (it waits while
-    they compute, they wait while it reduces and steps), so each rank keeps to its own cores instead of
-    the scheduler moving the ranks' coordinators onto each other's workers' cores. Two cross-node ranks
-    with a worker each on 2 cores, the binding toggled between blocks of steps in one run: probe 0.30-0.52 ms
-    and mlp 1.9-3.4 ms per step faster (docs/performance.md). ``none`` leaves the coordinator where it was;
-    so does any other layout (one coordinator per machine, workers that leave cores free, GPU workers).
-    """
-    policy = os.environ.get("DPOOL_COORDINATOR_AFFINITY", "") or "auto"
-    if policy not in COORDINATOR_AFFINITY_POLICIES:
-        raise DpoolValueError(f"DPOOL_COORDINATOR_AFFINITY={policy!r} is not a policy; use one of "
-                              f"{', '.join(COORDINATOR_AFFINITY_POLICIES)} (unset it for the default, auto)")
-    rank, size = local_share()
-    if policy == "none" or size < 2 or not _cpu_pool(devices) or not hasattr(os, "sched_setaffinity"):
-        return None
-    if len(devices) * threads * size != len(allowed_cores()):  # (the layout worker_cpus shares out)
-        return None
-    cpus: set[int] = set()
-    for i, device in enumerate(devices):
-        mine = worker_cpus(i, threads, len(devices), device)
-        if mine is None:  # (DPOOL_WORKER_AFFINITY=none: the workers are not bound, so neither is it)
-            return None
-        cpus.update(mine)
-    return sorted(cpus)
-
-
-REPLY_TOGETHER_POLICIES = ("auto", "on", "off")
-
-
-def _cpu_pool(devices: Sequence[str]) -> bool:
-    return all(d.startswith("cpu") for d in devices)
-
-
-def reply_together(devices: Sequence[str], threads: int) -> bool:
-    """Whether a pool's rounds ask its workers to reply together, per ``DPOOL_REPLY_TOGETHER``
-    (see :data:`dpool.protocol.TOGETHER_WAIT_S`).
-
-    ``auto`` (the default) asks when the coordinator has no core of its own: two or more CPU workers
-    whose threads fill exactly the cores this process may use (the default layout). Then a worker done
-    first has an otherwise idle core to wait on, and the coordinator, woken once per round instead of
-    once per reply, does not preempt the slower worker's handler on the core they share: a probe step
-    measured 1.52 → 1.22 ms (docs/performance.md). With a core to spare the coordinator wakes elsewhere,
-    and with more threads than cores a waiting worker would hold a core another one needs. ``on`` asks
-    for any pool of CPU workers, ``off`` never. GPU workers never wait: their machines have cores to spare.
-    """
-    policy = os.environ.get("DPOOL_REPLY_TOGETHER", "") or "auto"
-    if policy not in REPLY_TOGETHER_POLICIES:
-        raise DpoolValueError(f"DPOOL_REPLY_TOGETHER={policy!r} is not a policy; use one of "
-                              f"{', '.join(REPLY_TOGETHER_POLICIES)} (unset it for the default, auto)")
-    if policy == "off" or len(devices) < 2 or not _cpu_pool(devices):
-        return False
-    return policy == "on" or len(devices) * threads == len(allowed_cores())
-
-
-FORWARD_WITH_LOSS_POLICIES = ("auto", "off")
-
-
-def forward_with_loss() -> bool:
-    """Whether a ``gather=False`` training forward waits for its loss and goes to the workers with it, per
-    ``DPOOL_FORWARD_WITH_LOSS``: ``auto`` (the default) defers it where it can (see
-    ``dpool.coordinator._Deferred``), ``off`` runs every forward at once, in a round of its own (its errors
-    then come from ``model(x)`` itself instead of from the criterion)."""
-    policy = os.environ.get("DPOOL_FORWARD_WITH_LOSS", "") or "auto"
-    if policy not in FORWARD_WITH_LOSS_POLICIES:
-        raise DpoolValueError(f"DPOOL_FORWARD_WITH_LOSS={policy!r} is not a policy; use one of "
-                              f"{', '.join(FORWARD_WITH_LOSS_POLICIES)} (unset it for the default, auto)")
-    return policy == "auto"
-
-
-WAIT_SPIN_US_DEFAULT = 300
-
-
-def wait_spin(devices: Sequence[str]) -> float:
-    """How long (seconds) past a short round's previous time the coordinator spins before it sleeps in
-    the poll, per ``DPOOL_WAIT_SPIN_US`` (see NOTE [ spinning through short rounds ] in :mod:`dpool.pool`).
-
-    Unset: 300 µs for a pool of CPU workers, 0 (never spin) for GPU workers, where it has not been
-    measured yet. A number of microseconds applies to either; ``0`` turns spinning off.
-    """
-    raw = os.environ.get("DPOOL_WAIT_SPIN_US", "")
-    if not raw:
-        return WAIT_SPIN_US_DEFAULT * 1e-6 if _cpu_pool(devices) else 0.0
-    try:
-        us = float(raw)
-    except ValueError:
-        us = -1.0
-    if not 0 <= us <= 1e6:
-        raise DpoolValueError(f"DPOOL_WAIT_SPIN_US={raw!r} is not a number of microseconds from 0 to 1000000 "
-                              f"(0 turns spinning off; unset it for the default, {WAIT_SPIN_US_DEFAULT} on CPU)")
-    return us * 1e-6
 
 
 def worker_env(threads: int, workers: int) -> dict[str, str]:
@@ -226,29 +80,12 @@ def worker_env(threads: int, workers: int) -> dict[str, str]:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
     # glibc hands every freed block above its mmap threshold (128 KiB, adapting up to 32 MiB) back to
-    # the kernel, so a step's activations page-fault in again on the next step: ~60k faults per CNN
-    # step here, a third of its time. A long-lived worker keeps its peak heap instead, like a caching
+    # the kernel, so a step's activations page-fault in again on the next step (a CNN step spent a third
+    # of its time on such faults: docs/performance.md). A long-lived worker keeps its peak heap instead, like a caching
     # allocator (the daemon trims it when a client detaches). A value already in the environment wins.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(WORKER_MALLOC_KEEP))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(WORKER_MALLOC_KEEP))
-    # Under Linux's default policy a thread that wakes may preempt whoever runs on its core: a worker
-    # (or its ZeroMQ I/O thread) woken by a request preempts the coordinator, which still has the
-    # other requests to send, or the other worker mid-compute. On the mlp benchmark (2 workers,
-    # 2 cores) that is ~3 involuntary context switches per step in the coordinator and 3-5 in each
-    # worker. SCHED_BATCH threads never preempt on wake-up (they take a free core or wait for the
-    # next tick); their priority is unchanged, and the coordinator keeps the default policy.
-    # Measured: 0.4-0.6 and 0.6-1.5 switches per step, and the mlp step faster (README, "Performance").
-    # More workers than cores is the opposite case: a woken worker then has no free core to take, and
-    # waking it by preemption is what gets its request served before the next tick. With 8 workers on
-    # 2 cores the coordinator's CPU per probe step measured 1.90 ms under SCHED_BATCH against 1.48-1.75
-    # under the default policy, so ``auto`` keeps the default there.
-    sched = os.environ.get("DPOOL_WORKER_SCHED", "") or "auto"
-    if sched not in WORKER_SCHED_POLICIES:
-        raise DpoolValueError(f"DPOOL_WORKER_SCHED={sched!r} is not a worker scheduling policy; use one of "
-                              f"{', '.join(WORKER_SCHED_POLICIES)} (unset it for the default, auto)")
-    if sched == "auto":
-        sched = "batch" if workers <= physical_cores() else "other"
-    env["DPOOL_WORKER_SCHED"] = sched
+    env["DPOOL_WORKER_SCHED"] = worker_sched(workers)  # (see dpool.policies.worker_sched)
     return env
 
 

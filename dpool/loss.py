@@ -27,7 +27,7 @@ reduce then averages across the nodes, as the backward round's does.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import math
 
@@ -35,13 +35,10 @@ import cloudpickle
 import torch
 
 from . import gather as _gather
-from .bridge import accumulates, enter_backward, leave_backward, track_release
+from .bridge import Host, accumulates, enter_backward, leave_backward, track_release
 from .errors import DpoolValueError, UnsupportedError
 from .tensors import to_bytes
 
-if TYPE_CHECKING:
-    from .bridge import CallState
-    from .coordinator import Runtime, _Unrun
 
 __all__ = ["ShardedOutput", "criterion"]
 
@@ -52,9 +49,9 @@ class ShardedOutput:
     Pass it to a :func:`criterion`, or call :meth:`gather` for the usual gathered output.
     """
 
-    def __init__(self, runtime: "Runtime", state: "CallState | _Unrun", specs: list | None, diff_inputs: list) -> None:
+    def __init__(self, runtime: Host, state: Any, specs: list | None, diff_inputs: list) -> None:
         self._runtime = runtime
-        # a deferred forward's (see dpool.coordinator._Deferred): what is known before it ran, filled in then
+        # its CallState; a deferred forward's stand-in (dpool.step.forward.Unrun) until it ran, filled in then
         self._state: Any = state
         self._specs: Any = specs
         self._diff_inputs = diff_inputs
@@ -324,7 +321,7 @@ def predict_seed(crit: criterion, targets: tuple, shard_targets: Callable[[], li
 class _LossBox:
     __slots__ = ("runtime", "state", "value", "dtype", "denom", "indices", "handle", "guess", "crit", "param_idx")
 
-    def __init__(self, runtime: "Runtime", handle: ShardedOutput, value: torch.Tensor, denom: float,
+    def __init__(self, runtime: Host, handle: ShardedOutput, value: torch.Tensor, denom: float,
                  indices: list[int], guess: Speculation | None, crit: criterion, param_idx: list[int]) -> None:
         self.runtime, self.state, self.denom, self.indices = runtime, handle._state, denom, indices
         self.value: torch.Tensor | None = value  # the loss LossBridge returns (taken by its forward)
@@ -514,7 +511,7 @@ def target_denominator(loss_fn: Any, targets: tuple) -> float | None:
     return float(valid.sum())
 
 
-def combine(runtime: "Runtime", handle: ShardedOutput, replies: list, dtype: torch.dtype,
+def combine(runtime: Host, handle: ShardedOutput, replies: list, dtype: torch.dtype,
             reduction: str, guess: Speculation | None, crit: criterion, param_idx: list[int]) -> torch.Tensor:
     """The full-batch loss from the shards' (sum, denominator) replies, differentiable."""
     total = sum(r.value for r in replies)

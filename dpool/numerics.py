@@ -1,7 +1,7 @@
 """The process settings that change what a forward or backward computes, which workers copy from the
 coordinator (as nn.DataParallel's replicas, in its one process, share them).
 
-:func:`numerics` is read before every forward (2 µs) and sent through ``call_workers`` at the first
+:func:`numerics` is read before every forward (cheaply: see below) and sent through ``call_workers`` at the first
 forward and whenever it changed; :func:`apply_numerics` sets it in a worker. The float32 precisions
 (TF32 and bf16) of CPU and GPU are here; the other cuDNN and cuBLAS settings are
 :func:`dpool.gpu.backend_flags`.
@@ -22,7 +22,7 @@ __all__ = ["numerics", "apply_numerics", "fp32_precision", "set_fp32_precision",
 # torch's float32 precision settings (torch >= 2.9): "ieee", "tf32", "bf16", or "none" (the parent's), per
 # (backend, operation). torch.set_float32_matmul_precision("medium") sets them too; on a CPU with AVX512-BF16
 # or AMX, "bf16" for mkldnn makes float32 matmuls and convolutions compute in bf16. Read through torch._C: the
-# torch.backends attributes cost 0.7 us each, and the legacy getter raises once the new API has been used.
+# torch.backends attributes are slower to read, and the legacy getter raises once the new API has been used.
 _GET_PRECISION = getattr(torch._C, "_get_fp32_precision_getter", None)
 _SET_PRECISION = getattr(torch._C, "_set_fp32_precision_setter", None)
 CPU_PRECISION_OPS = (("generic", "all"), ("mkldnn", "all"), ("mkldnn", "matmul"), ("mkldnn", "conv"),

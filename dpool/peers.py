@@ -199,8 +199,8 @@ class Peers:
 
         Checks run every quarter heartbeat. With ``timed_waits`` (gloo on CPU tensors) the wait is gloo's
         own, bounded by that tick: the caller wakes straight from gloo's thread. Otherwise (NCCL, whose
-        ``wait()`` only orders streams) a completion callback sets an event: one more thread hand-over,
-        measured ~0.1 ms per collective on loopback. ``work`` may also be a point-to-point swap (a tuple
+        ``wait()`` only orders streams) a completion callback sets an event: one more thread hand-over
+        per collective. ``work`` may also be a point-to-point swap (a tuple
         of works, :meth:`dpool.crossnode.CrossNode.exchange`), which this thread blocks in: see
         :meth:`_wait_swap`.
         """
@@ -218,7 +218,7 @@ class Peers:
     def _wait_swap(self, works: tuple[Any, ...], doing: str, step: int, deadline: float) -> None:
         """Wait in a swap's send, then its receive, on this thread: a receive cannot be waited for in ticks
         (gloo closes the connection when a timed wait on one runs out), and a helper thread that blocked in
-        it cost a hand-over per swap (0.2-1.1 ms of a probe step, docs/performance.md). Meanwhile the
+        it cost a hand-over per swap (a large part of a probe step, docs/performance.md). Meanwhile the
         heartbeat thread runs this wait's checks a quarter beat apart and, on a failure or at ``deadline``,
         ends the wait with :attr:`breaker`; the error raised then is the one the checks name."""
         self.check(doing, step)  # what is known already: no blocking

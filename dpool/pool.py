@@ -70,16 +70,15 @@ NOTE [ spinning through short rounds ]
 A coordinator that sleeps in the poll for a round pays twice when the round is short: the reply
 must wake it (on a virtual machine, an interrupt to a halted vCPU), and what it runs next runs on
 a core that went idle. On the 2-core VM of the benchmarks a single process's loss and optimizer
-step took 9 and 37 µs when run straight on, 24 and 78 µs after a 0.3 ms sleep, 11 and 44 µs after
-0.3 ms of yielding. So when the same stage's previous round took at most
+step took about twice as long after a short sleep as when run straight on, and hardly longer after
+the same time spent yielding (docs/performance.md). So when the same stage's previous round took at most
 :data:`SPIN_ROUNDS_UP_TO_S`, :meth:`Pool._wait` first polls without blocking, calling
 ``sched_yield`` between polls, until the previous round's time plus ``spin_s`` has passed; then it
 sleeps in the poll as before. Yielding hands the core to any thread that can run there (a
 worker's, on a machine without a core to spare), so the spin takes only time nobody else wants.
-Probe step (2 workers): 1.29 → 1.21 ms; one worker: 0.99 → 0.76 ms (docs/performance.md). Longer
-rounds (the mlp's take 2.5 and 3.9 ms there) never spin: spinning through their last part competed
-with the workers (mlp 8.6 → 8.8 ms). ``spin_s`` comes from ``DPOOL_WAIT_SPIN_US`` (see
-:func:`dpool.launch.wait_spin`); the deadlines, exit sentinels and heartbeats are checked as before,
+The probe step got faster with it, with one worker and with two. Longer rounds (the mlp's) never
+spin: spinning through their last part competed with the workers (docs/performance.md). ``spin_s``
+comes from ``DPOOL_WAIT_SPIN_US`` (see :func:`dpool.policies.wait_spin`); the deadlines, exit sentinels and heartbeats are checked as before,
 since a spin ends by itself within ``SPIN_ROUNDS_UP_TO_S + spin_s``.
 
 *Sockets.* See :mod:`dpool.channel`: LINGER is 0, so ``close()`` never waits
@@ -145,9 +144,16 @@ class Pool:
         threads: torch intra-op threads for each worker.
         attach: the name of a ``dpool-workers`` pool whose workers to lease (see :mod:`dpool.attach`),
             or ``None`` to spawn our own (:class:`dpool.launch.Spawn`).
+        reply_together: whether rounds of several shards ask the workers to reply together
+            (:func:`dpool.policies.reply_together`).
+        spin_s: how long past a short round's previous time to spin before sleeping
+            (:func:`dpool.policies.wait_spin`, NOTE [ spinning through short rounds ]).
+        across: what combines SyncBatchNorm's statistics with other nodes' (cross-node mode), or ``None``.
     """
 
-    def __init__(self, devices: Sequence[str], config: Config, threads: int, attach: str | None = None) -> None:
+    def __init__(self, devices: Sequence[str], config: Config, threads: int, attach: str | None = None,
+                 reply_together: bool = False, spin_s: float = 0.0,
+                 across: Callable[[Any], None] | None = None) -> None:
         self.launcher: Launcher = Lease(attach) if attach is not None else Spawn()
         self.devices = list(devices)
         # Per GPU of ours: the interprocess event recorded before each request (NOTE [ CUDA ownership ])
@@ -168,6 +174,7 @@ class Pool:
         self._round: set[int] = set()
         self.exiting: set[int] = set()  # workers that replied CONTEXT_LOST and are exiting
         self._hub = AllReduceHub()
+        self._hub.across = across
         # Set for a backward round whose buckets are exchanged as they complete (dpool.crossnode):
         # called with (worker index, call, bucket) from inside the round's wait.
         self.on_bucket: Callable[[int, int, int], None] | None = None
@@ -180,14 +187,14 @@ class Pool:
         # its first request left, and when each worker's reply was read (see dpool.stats.Stats.split_round)
         self.sent_at = 0.0
         self.arrived = [0.0] * len(self.devices)
-        # Whether rounds of several shards ask the workers to reply together (set by the runtime), and the
-        # number of the latest such round.
-        self.reply_together = False
+        # Whether rounds of several shards ask the workers to reply together, and the number of the latest
+        # such round.
+        self.reply_together = reply_together
         self._together_round = 0
         self._rounds_at = 8 * len(self.devices)  # byte offset of those round slots in the control segment
-        # How long past a short round's previous time to spin before sleeping (set by the runtime), and
-        # each stage's latest round time (NOTE [ spinning through short rounds ]).
-        self.spin_s = 0.0
+        # How long past a short round's previous time to spin before sleeping, and each stage's latest
+        # round time (NOTE [ spinning through short rounds ]).
+        self.spin_s = spin_s
         self._took: dict[str, float] = {}
         self.rounds_spun = 0  # rounds whose last reply a spin caught
         self.workers = [Worker(i, d) for i, d in enumerate(self.devices)]
@@ -599,8 +606,8 @@ class Pool:
     def _dying_together(self, window: float = 0.05, limit: float = 1.0) -> list[Worker]:
         """The live workers whose processes have ended, once deaths stop coming: each new one waits
         ``window`` seconds more (at most ``limit`` in all), so that one error names every worker of a kill
-        sent to them all. (On a loaded machine, the last of three workers SIGKILLed together ended over
-        50 ms after the first.)"""
+        sent to them all. (On a loaded machine, the last of three workers SIGKILLed together ended a
+        good part of ``window`` after the first.)"""
         fds = {w.pidfd: w for w in self.workers if w.alive and w.pidfd is not None}
         dead: list[Worker] = []
         end = time.monotonic() + limit

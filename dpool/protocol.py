@@ -136,7 +136,7 @@ CONTEXT_LOST = " [CUDA context lost: the worker exits]"
 # How long a worker that finished its shard first may wait for the round's other shards before it replies
 # (``together`` in Forward, Backward and Criterion). A CPU pool whose workers fill every core asks for it: then the
 # coordinator shares a core with a worker, and waking it for the first reply preempts the slower handler
-# there (a probe round: 0.19 ms in that handler against 0.08 in the other). Each worker writes the round's
+# there (in a probe round that handler took over twice as long as the other's). Each worker writes the round's
 # number into its int64 slot at ``offset + 8 * shard`` of the control segment when its handler ends, and
 # one done first waits, on its own core, until shards ``0..shards-1`` all wrote it or this much time
 # passed. A dead or hung peer costs a round at most this.

@@ -28,8 +28,8 @@ from .layout import Layout
 __all__ = ["Reducer", "Totals", "sum_sparse", "PARALLEL_SUM_BYTES"]
 
 # A CPU sum of at least this many bytes per shard is split over helper threads (see Reducer._sum).
-# Below it the hand-off costs more than it saves: the benchmark's mlp (2 MiB) measured 0.46-0.95 ms
-# per sum with helpers against 0.38-0.47 ms without.
+# Below it the hand-off costs more than it saves: the benchmark's mlp (2 MiB) summed slower with
+# helpers than without (docs/performance.md).
 PARALLEL_SUM_BYTES = 4 << 20
 
 # torch's count of the references to a storage (what torch's own cudagraph trees read); without it
@@ -46,9 +46,9 @@ class Totals:
     holds the only reference to its storage; otherwise new memory is made, and kept for later steps
     while fewer than :attr:`keep` buffers of that key are (so at most ``keep`` idle buffers per group stay
     allocated between steps). New memory every step cost the coordinator a page fault per 4 KiB of
-    gradients whenever glibc had given the previous step's block back to the kernel (300–400 per step
-    on the benchmark's 2 MiB mlp), and on every step for a sum over 32 MiB, which glibc maps anew (11 400
-    per ResNet-18 step: its sum took 12.8–13.5 ms instead of 4.4–5.3).
+    gradients whenever glibc had given the previous step's block back to the kernel (hundreds per step
+    on the benchmark's 2 MiB mlp), and on every step for a sum over 32 MiB, which glibc maps anew (a
+    ResNet-18 step's sum took about three times as long: docs/performance.md).
 
     Buffers are kept on the CPU only: on a GPU every take is new memory, as before, since CUDA's caching
     allocator already reuses blocks and knows which streams still use them.
@@ -172,7 +172,7 @@ class Reducer:
         A large CPU sum is split into :attr:`threads` contiguous chunks, one per thread: this one and
         helper threads, which run while the op releases the GIL. Not OpenMP's team: after a parallel
         region its threads spin for milliseconds, on the cores the workers' next forward needs (the
-        benchmark's mlp step went from 17–22 to 24–28 ms that way); helper threads block between sums.
+        benchmark's mlp step got a third slower that way); helper threads block between sums.
         Only while this process runs one torch thread (dpool's ``coordinator_threads=1``); otherwise
         torch's own parallelism applies. Each element is the same sum, in the same order, either way.
         """

@@ -429,11 +429,10 @@ class Master:
         last snapshot; :meth:`attribute_changes` then says what changed.
 
         It runs before every forward, so it compares in C: the list of every module's attribute values
-        against the snapshot's (identical objects compare equal without a call; ~0.7 µs for the
-        benchmark's probe, ~5 µs for its mlp, ~30 µs for 120 modules), the held containers against their
-        copies (~9 ns per entry), the held tensors' versions, the hooks' count, and torch's
-        count of hook handles ever made (when that moved, the hooks' keys: a hook made on a tensor or on
-        another model costs ~20 µs, not a closer look). An attribute replaced by an equal value (``==``) counts as
+        against the snapshot's (identical objects compare equal without a call), the held containers
+        against their copies, the held tensors' versions, the hooks' count, and torch's count of hook
+        handles ever made (when that moved, the hooks' keys: a hook made on a tensor or on another model
+        costs a look at the keys, not a closer look). An attribute replaced by an equal value (``==``) counts as
         unchanged: the replicas' copy behaves the same.
         """
         if sum(map(len, self._hook_dicts)) != self._nhooks:

@@ -1,7 +1,7 @@
 """CUDA workers against a single-process CUDA reference, on a real GPU.
 
 With one GPU the workers run as ``device_ids=[0, 0]`` (two worker processes on GPU 0), which
-drives the whole CUDA IPC protocol; ``DPOOL_CUDA_ALIAS=0`` forces the copy path that workers on
+drives the whole CUDA IPC protocol; ``dpool.step.replicas.ALIAS_SAME_GPU = False`` forces the copy path that workers on
 other GPUs take. Paths that need two distinct GPUs (cross-device reduce, peer copies) are tested
 only where two exist. On a machine without a GPU every test here is skipped.
 """
@@ -19,6 +19,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import dpool
+from dpool.step import replicas as step_replicas
 from dpool.transport import cuda_ipc
 from tests.helpers import run_scripts, running
 from tests.models import CNN, MLP, batch, gpu_numerics, loss_of, make
@@ -177,12 +178,12 @@ def test_a_parameter_frozen_when_the_pool_starts_and_unfrozen_later(wrap):
 
 def test_copy_path_for_workers_off_the_master_gpu(wrap, monkeypatch):
     """Workers on another GPU get the master's parameters copied before each forward (forced here on one GPU)."""
-    monkeypatch.setenv("DPOOL_CUDA_ALIAS", "0")
+    monkeypatch.setattr(step_replicas, "ALIAS_SAME_GPU", False)
     torch.manual_seed(1)
     net = MLP().to(DEV)
     ref = copy.deepcopy(net)
     model = wrap(net, IDS)
-    assert model._runtime._replicas[0] is not None
+    assert model._runtime.replicas.memory.arenas[0] is not None
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     for _ in range(3):

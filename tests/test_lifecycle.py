@@ -144,7 +144,7 @@ def _train_and_drop(criterion: bool, optimizer: bool, pending: bool = False) -> 
             opt.zero_grad()
     if pending:  # a forward that waits for its loss (gather=False) when the model is dropped
         out = m(torch.randn(8, 6))
-        assert m._runtime._pending is not None and out is not None
+        assert m._runtime.state.pending is not None and out is not None
     return weakref.ref(m._runtime.pool), list(m.pids)
 
 
@@ -402,7 +402,8 @@ def test_daemon_stop_during_a_client_run_and_client_killed_while_attaching():
 CTRL_C = """
 import copy, gc, json, torch, dpool
 from torch import nn
-from dpool import channel, coordinator, pool
+from dpool import channel, pool
+from dpool.step import deferred, forward as fwd, loss_round, rounds
 from tests.helpers import CtrlC
 
 torch.manual_seed(0)
@@ -410,7 +411,7 @@ net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
 ref = copy.deepcopy(net)
 model = dpool.wrap(net, ["cpu", "cpu"], step_timeout_s=10)
 sends = [channel.Channel.send, channel.Channel.next_seq, channel._end_cut_message, pool.Pool._send,
-         pool.Pool.request, coordinator.Runtime._request]
+         pool.Pool.request, rounds.Rounds.request]
 x = torch.randn(6, 4, dtype=torch.float64)
 out = model(x)
 positions = CtrlC.positions(sends, lambda: (model(x), out.sum().backward()))
@@ -451,7 +452,7 @@ for i, (code, offset) in enumerate(positions):
 # Ctrl-C anywhere in the coordinator's forward, between its request and the call's graph being tracked
 # by the autograd node that frees it: the workers must not keep that graph for good.
 del out  # (the last output above holds its graph)
-forward = [coordinator.Runtime._forward, coordinator.Runtime._finish_forward]
+forward = [fwd.Forwards.run, fwd.Forwards.finish, fwd.Forwards._gather_or_keep]
 for code, offset in CtrlC.positions(forward, lambda: model(x).sum().backward()):
     with CtrlC(code, offset) as cut:
         try:
@@ -472,8 +473,9 @@ crit, ce = dpool.criterion(nn.CrossEntropyLoss()), nn.CrossEntropyLoss()
 t = torch.randint(0, 3, (6,))
 crit(lossy(x), t).backward()  # (its first call sends what first calls send: not a point the trials reach)
 lossy.module.zero_grad()
-fused = [coordinator.Runtime._forward, coordinator.Runtime.criterion, coordinator.Runtime._forward_and_loss,
-         coordinator.Runtime._finish_forward, coordinator.Runtime._check_deferred, coordinator.Runtime._run_deferred]
+fused = [fwd.Forwards.run, loss_round.LossRound.criterion, deferred.Deferred.forward_and_loss,
+         fwd.Forwards.finish, fwd.Forwards._gather_or_keep, deferred.Deferred.check, deferred.Deferred.run,
+         deferred.Deferred._run_alone]
 fused_positions = CtrlC.positions(fused, lambda: (lossy(x), crit(lossy(x), t).backward()))
 for code, offset in fused_positions:
     with CtrlC(code, offset) as cut:
@@ -655,7 +657,8 @@ def test_ctrl_c_anywhere_while_a_worker_starts_leaves_no_process_or_fd():
 RESTART_CUT = """
 import copy, json, logging, psutil, torch, dpool
 from torch import nn
-from dpool import coordinator, launch, pool as pools
+from dpool import launch, pool as pools
+from dpool.step import replicas, rounds
 from tests.helpers import CtrlC, sigkill
 
 torch.manual_seed(0)
@@ -681,7 +684,8 @@ def restart():  # the next call finds the death, restarts the worker, and raises
         pass
 
 
-fns = [coordinator.Runtime._restart, coordinator.Runtime._init_workers, pools.Pool.respawn, pools.Pool._forget,
+fns = [rounds.Rounds._restart_after, replicas.ReplicaSet.restart, replicas.ReplicaSet.init_workers,
+       pools.Pool.respawn, pools.Pool._forget,
        pools.Pool._await_hello, launch.Spawn.respawn, launch.Spawn._start,
        launch.start_worker]
 positions = CtrlC.positions(fns, restart)

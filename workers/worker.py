@@ -37,6 +37,7 @@ import threading
 import time
 from typing import Any
 
+from dpool import knobs  # torch-free
 
 
 def set_scheduling(policy: str) -> None:
@@ -44,7 +45,7 @@ def set_scheduling(policy: str) -> None:
 
     ``SCHED_BATCH`` is the normal priority without wake-up preemption: a worker woken by its
     request takes a free core or waits for the next tick instead of preempting the coordinator
-    mid-send or another worker mid-compute (why and when: ``worker_env`` in :mod:`dpool.launch`).
+    mid-send or another worker mid-compute (why and when: :func:`dpool.policies.worker_sched`).
     """
     if policy == "batch" and hasattr(os, "SCHED_BATCH"):
         try:
@@ -56,7 +57,7 @@ def set_scheduling(policy: str) -> None:
 
 def set_affinity(cpus: str) -> None:
     """Bind this thread, and every thread it starts from now on, to the logical CPUs ``cpus`` (``"0,1"``;
-    ``""``: leave it where it is). The coordinator chose them (``worker_cpus`` in :mod:`dpool.launch`)."""
+    ``""``: leave it where it is). The coordinator chose them (:func:`dpool.policies.worker_cpus`)."""
     if not cpus:
         return
     try:
@@ -154,8 +155,8 @@ def main() -> None:
     from dpool import protocol as P  # torch-free
 
     boot = P.Boot.unpack(sys.stdin.buffer.read())
-    set_scheduling(os.environ.get("DPOOL_WORKER_SCHED", "other"))  # worker_env always sets it
-    set_affinity(os.environ.get("DPOOL_WORKER_CPUS", ""))  # start_worker always sets it
+    set_scheduling(knobs.raw("DPOOL_WORKER_SCHED") or "other")  # worker_env always sets it
+    set_affinity(knobs.raw("DPOOL_WORKER_CPUS"))  # start_worker always sets it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)

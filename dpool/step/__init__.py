@@ -1,0 +1,48 @@
+"""One training step, coordinator side: :class:`Runtime` and the stages it composes.
+
+Read the code in this order: ``runtime`` (the facade) → ``forward`` → ``deferred`` → ``loss_round`` →
+``backward``, then what they share: ``rounds`` (requests, restarts) → ``replicas`` (binding, shipping,
+worker memory) → ``follow`` (the user's process) → ``state`` (the step's state) → ``hints`` (error text).
+
+``CUT_POINTS`` lists every function of this package that runs during a step (a forward, a loss on the
+workers, a backward). Each was reviewed for a Ctrl-C at any point: ``tests/test_lifecycle.py`` cuts the
+ones that hold a ``try`` at every offset, and ``tests/test_shape.py`` fails when a step runs a function
+of this package that is not listed, so a new one cannot escape that review.
+"""
+from __future__ import annotations
+
+from . import backward as _backward, deferred as _deferred, follow as _follow, forward as _forward
+from . import loss_round as _loss_round, replicas as _replicas, rounds as _rounds, runtime as _runtime
+from . import state as _state
+from .runtime import Runtime
+
+__all__ = ["Runtime", "CUT_POINTS"]
+
+CUT_POINTS = (
+    _runtime.Runtime.forward, _runtime.Runtime.criterion, _runtime.Runtime.backward,
+    _runtime.Runtime.backward_speculated, _runtime.Runtime.gather_kept, _runtime.Runtime.call_workers,
+    _runtime.Runtime.params, _runtime.Runtime.dim, _runtime.Runtime.n, _runtime.Runtime.output_device,
+    _runtime.Runtime.no_sync, _runtime.Runtime._synced,
+    _forward.Forwards.run, _forward.Forwards._follow, _forward.Forwards._flags, _forward.Forwards._begin_across,
+    _forward.Forwards._reserve, _forward.Forwards._messages, _forward.Forwards._defers, _forward.Forwards.drop,
+    _forward.Forwards.failed, _forward.Forwards.finish, _forward.Forwards._call_state,
+    _forward.Forwards._gather_or_keep, _forward.Forwards._commit, _forward.Planned.rows, _forward.Planned.output,
+    _forward.Planned.diff_inputs, _forward.Unrun.check, _forward.reserve, _forward.write, _forward.out_shapes,
+    _forward.loss_dtype,
+    _deferred.Deferred.synced, _deferred.Deferred.run, _deferred.Deferred._run_alone,
+    _deferred.Deferred.refuse_changed, _deferred.Deferred.check, _deferred.Deferred.forward_and_loss,
+    _deferred.changed_since,
+    _loss_round.LossRound.criterion, _loss_round.LossRound._target_shards, _loss_round.LossRound._speculates,
+    _loss_round.LossRound._messages, _loss_round.LossRound._settle, _loss_round.LossRound.backward_speculated,
+    _loss_round.LossRound.gather_kept,
+    _backward.Backwards.holds, _backward.Backwards.run, _backward.Backwards._skipped,
+    _backward.Backwards.check_params, _backward.Backwards.gate_hooks, _backward.Backwards._messages,
+    _backward.Backwards.round, _backward.Backwards._send, _backward.Backwards._reduce,
+    _backward.Backwards.commit_buffers, _backward.Backwards.changed_buffers, _backward.params_changed,
+    _rounds.Rounds.unsent, _rounds.Rounds.fetch, _rounds.Rounds.call, _rounds.Rounds.request,
+    _rounds.Rounds._lost_contexts, _rounds.Rounds.check_usable, _rounds.Rounds.raise_failures,
+    _replicas.ReplicaSet.push, _replicas.ReplicaSet.commit_rebound,
+    _follow.in_transform, _follow.in_dual_level, _follow.follow_numerics, _follow.follow_backend_flags,
+    _follow.Notices.new, _follow.Notices.attributes,
+    _state.StepState.draw_seed, _state.SlotGen.bump, _state.SlotGen.token, _state.SlotGen.valid,
+)

@@ -1,0 +1,376 @@
+"""The forward, coordinator side: plan → place → messages → request → finish.
+
+``run`` reads as the algorithm: follow the user's process (:mod:`dpool.step.follow`, re-sync in
+:mod:`dpool.step.replicas`), flatten and plan the shards (:mod:`dpool.tree`, :mod:`dpool.scatter`), place each
+shard in its worker's input segment, build the messages, then send them (or, with the loss on the
+workers, hold them for the loss: :mod:`dpool.step.deferred`) and finish: gather, or keep the outputs on
+the workers, and commit the buffers.
+
+A forward is transactional: the master's buffers change only after every shard succeeded.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import gather as _gather, hook_gate, protocol as P, scatter as _scatter, tree as _tree
+from ..bridge import Bridge, CallState, Graphs, Host
+from ..config import Config
+from ..crossnode import FORWARD
+from ..errors import ModelChangedError
+from ..loss import ShardedOutput
+from ..pool import Pool
+from ..regions import IORegions
+from ..replicate import Master
+from ..stats import Stats
+from ..tensors import DTYPES, Placer, dtype_name, meta_nbytes, nbytes
+from ..transport.shm import check_free
+from . import follow
+from .follow import Notices
+from .replicas import ReplicaSet
+from .rounds import Rounds
+from .state import Setup, StepState
+
+__all__ = ["Forwards", "Planned", "Unrun", "Pending", "reserve", "write", "EARLIER_FORWARD"]
+
+log = logging.getLogger("dpool")
+
+# How a deferred forward run by another call names itself in its workers' errors: the call that raises is
+# not the model(x) that failed (in one process, model(x) itself would have raised)
+EARLIER_FORWARD = ("forward of an earlier model(x) call, which with gather=False waited for its loss and ran "
+                   "only now, before this call")
+
+
+def reserve(tensors: Sequence[torch.Tensor | None]) -> tuple[list[int | None], int]:
+    """Offsets of ``tensors`` laid out back to back (``None`` stays ``None``), and the bytes they take."""
+    placer = Placer()
+    return [placer.reserve(t) if t is not None else None for t in tensors], placer.offset
+
+
+def write(views: Any, start: int, offs: Sequence[int | None], tensors: Sequence[torch.Tensor | None],
+          rg: Sequence[bool] | None = None) -> list[Any]:
+    """Copy ``tensors`` to ``start + offs`` of a segment (its view cache ``views``): their metas."""
+    if rg is None:
+        return [Placer.write(views, start + o, t) if t is not None and o is not None else None
+                for o, t in zip(offs, tensors)]
+    return [Placer.write(views, start + o, t, r) for o, t, r in zip(offs, tensors, rg)]  # type: ignore[operator]
+
+
+class Planned:
+    """A forward whose messages are built: what the rest of it needs once its round's replies are in."""
+
+    __slots__ = ("call", "k", "splits", "shards", "tensors", "rg", "grad", "spans", "gin_sizes", "nodes", "versions",
+                 "handle")
+
+    def __init__(self, call: int, k: int, splits: list, shards: list, tensors: list[torch.Tensor], rg: list[bool],
+                 grad: bool, nodes: Any) -> None:
+        self.call, self.k, self.splits, self.shards, self.tensors, self.rg = call, k, splits, shards, tensors, rg
+        self.grad, self.nodes = grad, nodes
+        self.spans: list[tuple[Any, int, int]] = []  # each shard's inputs in its segment
+        self.gin_sizes: list[int] = []  # each shard's input gradients' bytes
+        self.versions: list[int] | None = None  # the parameters' versions when the forward was called (deferred)
+        # a deferred forward's output, filled in when it runs; weakly: the runtime keeps the pending forward, and
+        # the output keeps the runtime (a cycle would keep a model dropped without close() alive until the GC)
+        self.handle: Callable[[], ShardedOutput | None] | None = None
+
+    def rows(self) -> list[int]:
+        return next((sizes for sizes in self.splits if sizes is not None), [1] * self.k)
+
+    def output(self) -> ShardedOutput | None:
+        """A deferred forward's output, if anything still holds it."""
+        return self.handle() if self.handle is not None else None
+
+    def diff_inputs(self) -> list[torch.Tensor]:
+        return [t for t, r in zip(self.tensors, self.rg) if r]
+
+
+class Unrun:
+    """The :class:`CallState` stand-in of a deferred forward's :class:`ShardedOutput` until the forward runs:
+    what is known before it (its call, shards and rows)."""
+
+    def __init__(self, f: Planned) -> None:
+        self.call, self.k, self.rows, self.gin_sizes = f.call, f.k, f.rows(), f.gin_sizes
+        self.refused: str | None = None  # why the forward never ran, if it was dropped for a changed parameter
+
+    def check(self) -> None:
+        if self.refused is not None:
+            raise ModelChangedError(self.refused)
+
+
+class Pending:
+    """A forward held for its loss (see :mod:`dpool.step.deferred`): its messages, and what it planned."""
+
+    __slots__ = ("msgs", "f")
+
+    def __init__(self, msgs: dict[int, P.Message], f: Planned) -> None:
+        self.msgs, self.f = msgs, f
+
+
+class Forwards:
+    """The forward stage (see the module's docstring)."""
+
+    def __init__(self, setup: Setup, state: StepState, config: Config, pool: Pool, io: IORegions, graphs: Graphs,
+                 stats: Stats, balancer: _scatter.Balancer, master: Master, replicas: ReplicaSet, rounds: Rounds,
+                 notices: Notices, defer: bool) -> None:
+        self.setup, self.state, self.config, self.pool, self.io, self.graphs = setup, state, config, pool, io, graphs
+        self.stats, self.balancer, self.master, self.replicas, self.rounds = stats, balancer, master, replicas, rounds
+        self.notices, self.defer = notices, defer
+        self._rank0_buffers: torch.Tensor | None = None  # cross-node, buffers="first": staging for the broadcast
+
+    def run(self, host: Host, args: tuple, kwargs: dict, synced: bool, call_all: Callable[[Any], Any]) -> Any:
+        """``model(x)``: the gathered output, or (``gather=False``) a :class:`ShardedOutput`."""
+        setup, state, pool, io = self.setup, self.state, self.pool, self.io
+        self._follow(call_all)
+        tensors: list[torch.Tensor] = []
+        spec = _tree.flatten((tuple(args), dict(kwargs)), tensors)
+        if follow.in_dual_level():
+            follow.refuse_dual(tensors)
+        k, splits = _scatter.plan(tensors, setup.n, setup.dim, self.balancer.weights())
+        state.last_rows = next((sizes for sizes in splits if sizes is not None), None)
+        shards = _scatter.shard_views(tensors, splits, k, setup.dim)
+        grad = torch.is_grad_enabled()
+        rg = [grad and t.requires_grad for t in tensors]
+        flags = self._flags()
+        call = self.graphs.new_call()
+        pool.step += 1
+        nodes = setup.nodes if synced else None
+        if nodes is not None:
+            self._begin_across(nodes)
+        seed = state.draw_seed()
+        f = Planned(call, k, splits, shards, tensors, rg, grad, nodes)
+        layouts = self._reserve(f)
+        if setup.cuda:
+            self.replicas.push()
+        together = pool.together(k)  # reply together ([] unless the pool asks for it, see Pool.together)
+        try:
+            # Calls collected here must reach the workers with this request, or be released again (every
+            # path out of here that may not have told every worker does), or the workers keep their graphs.
+            release = self.graphs.collect(io.release)
+            msgs = self._messages(f, layouts, spec, flags, release, seed, together)
+        except BaseException:
+            self.rounds.unsent()
+            self.graphs.retell()
+            raise
+        # (no call between the try above and this one: a Ctrl-C lands in one of them, and the calls collected
+        # for release reach the workers or are told again)
+        try:
+            if self._defers(f):  # held until its loss (see dpool.step.deferred): the targets go after these inputs
+                for s in range(k):
+                    io.keep(s, call, f.spans[s])
+                f.versions = [p._version for p in self.master.params]
+                handle = ShardedOutput(host, Unrun(f), None, f.diff_inputs())
+                f.handle = weakref.ref(handle)
+                state.pending = Pending(msgs, f)
+                return handle
+            return self.finish(host, f, self.rounds.request(msgs, "running forward"))
+        except BaseException:
+            if state.pending is not None and state.pending.f is f:  # (cut before model(x) returned it)
+                self.drop(f)
+            self.failed(f)
+            raise
+
+    def _follow(self, call_all: Callable[[Any], Any]) -> None:
+        """Before a forward: the pool usable, and the workers following this process's model and settings."""
+        master = self.master
+        self.rounds.check_usable()
+        hook_gate.restore(master.params, keep_running=True)  # a failed backward's gates (seldom any)
+        if master.changed or master.touched():
+            self.replicas.follow_changes(self.rounds.call)
+        relaid = master.check_bindings()
+        if relaid:
+            self.notices.relaid(relaid)
+        follow.follow_numerics(self.state, call_all)
+        if self.setup.cuda:
+            follow.follow_backend_flags(self.state, call_all)
+
+    def _flags(self) -> tuple[bytes, bytes, list | None]:
+        """The modules' training flags, the parameters' requires_grad flags, and autocast, as sent."""
+        state, params = self.state, self.master.params
+        training = bytes(m.training for m in self.master.modules)
+        requires_grad = bytes(p.requires_grad for p in params)
+        if requires_grad != state.sent_requires_grad:  # the workers zero the slots of newly frozen parameters
+            if state.workers_hold:
+                self.replicas.held.refuse_frozen(params)
+            state.slots.bump("requires_grad changed")
+            state.sent_requires_grad = requires_grad
+        autocast = None
+        kind = self.setup.device.type  # autocast of the workers' device type ("cuda" or "cpu")
+        if torch.is_autocast_enabled(kind):
+            autocast = [kind, dtype_name(torch.get_autocast_dtype(kind)), torch.is_autocast_cache_enabled()]
+        return training, requires_grad, autocast
+
+    def _begin_across(self, nodes: Any) -> None:
+        """Cross-node: the nodes agree on where they are; then rank 0's buffers (DDP's broadcast_buffers)."""
+        replicas = self.replicas
+        nodes.step = self.pool.step
+        nodes.fseq += 1
+        if replicas.forward_collectives:  # none for a model without buffers or SyncBatchNorm
+            nodes.header(FORWARD, nodes.fseq)
+        mine = replicas.memory.master_buffers
+        if self.setup.buffer_policy == "first" and mine is not None:
+            # into a staging copy (made once per layout): a failed broadcast leaves the master as it was
+            theirs = self._rank0_buffers
+            if theirs is None or theirs.numel() != mine.numel():
+                theirs = self._rank0_buffers = torch.empty_like(mine)
+            theirs.copy_(mine)
+            nodes.broadcast(theirs, "taking rank 0's buffers")
+            mine.copy_(theirs)
+
+    def _reserve(self, f: Planned) -> list[tuple[list, int]]:
+        """Each shard's layout in its input segment; the space all shards' new segments need is checked
+        before any is made."""
+        layouts = [reserve(f.shards[s]) for s in range(f.k)]
+        grow = sum(self.io.input_growth(s, need) for s, (_, need) in enumerate(layouts))
+        if grow and not self.setup.cuda:
+            check_free(self.config.shm_dir, grow)
+        return layouts
+
+    def _messages(self, f: Planned, layouts: list[tuple[list, int]], spec: Any, flags: tuple, release: list,
+                  seed: int, together: list) -> dict[int, P.Message]:
+        """Place each shard's inputs in its segment, and build its message."""
+        setup, io = self.setup, self.io
+        training, requires_grad, autocast = flags
+        # the shards that take part in the call's collectives (SyncBatchNorm): in cross-node mode the other
+        # nodes' too, so that a node with one worker still joins them
+        world = f.k if setup.nodes is None else f.k + setup.nodes.size - 1
+        sync_buffers = self.replicas.layout.buffer_range is not None
+        msgs: dict[int, P.Message] = {}
+        for s in range(f.k):
+            offs, need = layouts[s]
+            seg, start = io.input_region(s, need)
+            metas = write(seg.views, start, offs, f.shards[s], f.rg)
+            f.spans.append((seg, start, start + need))
+            f.gin_sizes.append(reserve([t for t, r in zip(f.shards[s], f.rg) if r])[1])
+            out = io.ensure(s, "out", 0)
+            msgs[s] = P.Forward(call=f.call, step=self.pool.step, grad=f.grad, training=training,
+                                requires_grad=requires_grad, sync_buffers=sync_buffers, inputs=seg.ref(),
+                                outputs=out.ref(), tree=spec, tensors=metas, shard=s, world=world,
+                                keep=not setup.gather_outputs, autocast=autocast, release=release, seed=seed,
+                                together=together)
+        return msgs
+
+    def _defers(self, f: Planned) -> bool:
+        """Whether this forward waits for its loss (see :mod:`dpool.step.deferred`)."""
+        return (self.defer and not self.setup.gather_outputs and f.grad and not self.setup.cuda
+                and self.replicas.layout.buffer_range is None
+                and (f.nodes is None or not self.replicas.forward_collectives))
+
+    def drop(self, f: Planned) -> None:
+        """Forget the deferred forward ``f`` without running it: its output can no longer be used. (Last, the
+        pending forward goes: a Ctrl-C before leaves it to be checked, and dropped, again at the next call.)"""
+        self.graphs.retell()  # the calls its messages would have told the workers to release
+        self.io.release(f.call)
+        self.graphs.release(f.call)
+        if self.state.pending is not None and self.state.pending.f is f:
+            self.state.pending = None
+
+    def failed(self, f: Planned) -> None:
+        """A forward's round or what follows it failed or was cut short (Ctrl-C): until its call is tracked,
+        nothing would ever free the graphs the workers keep for it, so they are released now."""
+        if f.grad and not self.graphs.kept(f.call):
+            self.graphs.release(f.call)
+        self.graphs.retell()  # a round cut short may not have told every worker
+
+    def finish(self, host: Host, f: Planned, replies: dict[int, Any], where: str = "forward") -> Any:
+        """The rest of a forward once its round's replies are in: fetch outputs that did not fit, build its
+        :class:`CallState`, gather (or keep the outputs on the workers), and commit its buffer updates. Its
+        callers run :meth:`failed` if it raises (a GatherError, a Ctrl-C before the call is tracked).
+        ``where`` names the forward in its workers' errors."""
+        pool = self.pool
+        pool.unlink_segments()
+        self.rounds.raise_failures(replies, where)
+        self.stats.split_round("forward", pool.sent_at, pool.arrived, replies, f.k)
+        fetch = {s: r.need for s, r in replies.items() if r.need}
+        if fetch:
+            fetched = self.rounds.fetch(lambda s, ref: P.Fetch(call=f.call, outputs=ref), "out", fetch,
+                                        "returning outputs", "forward")
+            for s, r in fetched.items():
+                replies[s].tensors = r.tensors
+        specs = [replies[s].tree for s in range(f.k)]
+        state = self._call_state(host, f, replies)
+        gathered, handle = self._gather_or_keep(host, f, state, specs)
+        state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
+        rows = f.rows()
+        self._commit(f, replies, rows, state.metas)
+        state.rows = rows
+        if gathered is None:
+            # what a deferred forward's loss predicts from: this forward's output dtype and shapes
+            self.state.last_out = (loss_dtype(state.metas), out_shapes(state.metas, specs), rows)
+            return handle
+        return _gather.build(specs, iter(gathered))
+
+    def _call_state(self, host: Host, f: Planned, replies: dict[int, Any]) -> CallState:
+        params = self.master.params
+        diff_inputs = f.diff_inputs()
+        diff_idx = [i for i, p in enumerate(params) if p.requires_grad] if f.grad else []
+        return CallState(
+            host, f.call, f.k, _gather.tensor_groups([replies[s].tree for s in range(f.k)]),
+            [replies[s].tensors for s in range(f.k)], [self.io.segment(s, "out") for s in range(f.k)], f.splits,
+            f.gin_sizes, f.rg, [[t.shape for t in f.shards[s]] for s in range(f.k)],
+            fseq=self.setup.nodes.fseq if self.setup.nodes is not None else 0,  # the forward its backward names
+            diff_inputs=diff_inputs, diff_idx=diff_idx, params=params,  # (what a double backward differentiates)
+            versions=f.versions if f.versions is not None else [p._version for p in params] if f.grad else [],
+        )
+
+    def _gather_or_keep(self, host: Host, f: Planned, state: CallState,
+                        specs: list) -> tuple[Any, ShardedOutput | None]:
+        """The gathered outputs (through the autograd bridge when they are differentiable), or ``None`` and
+        the :class:`ShardedOutput` of outputs kept on the workers (``gather=False``)."""
+        io, graphs = self.io, self.graphs
+        if not self.setup.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
+            handle = f.output()
+            if handle is None:  # (a deferred forward whose output nothing holds: it runs all the same)
+                handle = ShardedOutput(host, state, specs, state.diff_inputs)
+            handle._state, handle._specs = state, specs  # (a deferred forward's handle: filled in now)
+            graphs.track(f.call, handle)
+            for s in range(f.k):
+                io.keep(s, f.call, f.spans[s])
+            return None, handle
+        if f.grad and any(state.differentiable):
+            gathered = Bridge.apply(state, state.diff_idx, *state.diff_inputs, *state.diff_params)
+            if not isinstance(gathered, tuple):
+                gathered = (gathered,)
+            graphs.track(f.call, state.ctx)
+            for s in range(f.k):
+                io.keep(s, f.call, f.spans[s])
+            state.ctx = None
+            return gathered, None
+        if f.grad:
+            graphs.release(f.call)
+        return state.gather(), None
+
+    def _commit(self, f: Planned, replies: dict[int, Any], rows: list[int], out_metas: list) -> None:
+        """Every shard succeeded: count the round, and let its buffer updates reach the master (buffers.py)."""
+        k, replicas = f.k, self.replicas
+        busy = [replies[s].busy for s in range(k)]
+        self.stats.forward(rows, busy, sum(nbytes(t) for sh in f.shards for t in sh),
+                           sum(meta_nbytes(m) for ms in out_metas for m in ms) if self.setup.gather_outputs else 0)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: forward of %d shards (rows %s), workers busy %s ms", self.pool.step, k, rows,
+                      [round(b * 1e3, 2) for b in busy])
+        self.balancer.observe(0, busy, rows)
+        if any(replies[s].attributes for s in range(k)):
+            self.notices.attributes({n for s in range(k) for n in replies[s].attributes})
+        if any(replies[s].rebound for s in range(k)):
+            replicas.commit_rebound([s for s in range(k) if replies[s].rebound], self.rounds.call)
+        memory = replicas.memory
+        if replicas.layout.buffer_range is not None:
+            replicas.buffers.commit(memory.master_buffers, memory.first_buffers, memory.buffer_slots[:k], rows,
+                                    [replies[s].stats for s in range(k)],
+                                    [bn.training for bn, *_ in replicas.buffers.batchnorms],
+                                    across=None if f.nodes is None else functools.partial(
+                                        f.nodes.all_reduce, doing="combining buffer statistics"))
+
+
+def out_shapes(metas: list[list[Any]], specs: list) -> list[list[int] | None]:
+    """Each shard's output shape, where its output is one tensor (what an elementwise loss's mean divides by)."""
+    return [list(ms[0].shape) if spec == ["T", 0] else None for ms, spec in zip(metas, specs)]
+
+
+def loss_dtype(metas: list[list[Any]]) -> torch.dtype:
+    """The dtype a criterion's loss takes: the first floating output's of shard 0."""
+    return next((DTYPES[m.dtype] for m in metas[0] if DTYPES[m.dtype].is_floating_point), torch.float32)

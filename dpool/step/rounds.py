@@ -1,0 +1,173 @@
+"""Rounds and their failures: one request to the workers, the restart policy, errors raised as the user's.
+
+A dead or hung worker is restarted while ``max_restarts`` lasts (the call that met it still raises, and
+the next one runs on the restarted pool), or else breaks the pool. Either way the master is untouched.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable, Mapping
+
+import cloudpickle
+
+from .. import protocol as P
+from ..accumulate import HeldGradients
+from ..bridge import Graphs
+from ..errors import PoolBrokenError, WorkerDiedError, WorkerTimeoutError, remote_error
+from ..pool import Pool
+from ..regions import IORegions
+from ..replicate import Master
+from ..stats import Stats
+from . import hints
+from .replicas import ReplicaSet
+from .state import Setup, StepState
+
+__all__ = ["Rounds"]
+
+log = logging.getLogger("dpool")
+
+
+class Rounds:
+    """Requests to the workers, with the restart policy and the failures of their replies."""
+
+    def __init__(self, setup: Setup, state: StepState, pool: Pool, io: IORegions, graphs: Graphs, stats: Stats,
+                 master: Master, held: HeldGradients, replicas: ReplicaSet) -> None:
+        self.setup, self.state, self.pool, self.io, self.graphs = setup, state, pool, io, graphs
+        self.stats, self.master, self.held, self.replicas = stats, master, held, replicas
+
+    def unsent(self) -> None:
+        """Building a round's messages failed: forget the segments made for it (no worker will map them)."""
+        self.io.rollback()
+        self.pool.unlink_segments()
+
+    def fetch(self, make: Callable[[int, Any], P.Message], role: str, needs: Mapping[int, int], stage: str,
+              where: str) -> dict[int, Any]:
+        """A round that fetches what did not fit in a reply: worker ``s``'s ``role`` segment grown to
+        ``needs[s]`` bytes and named in its message ``make(s, ref)``; the replies, failures raised."""
+        try:
+            msgs = {s: make(s, self.io.ensure(s, role, n).ref()) for s, n in needs.items()}
+        except BaseException:
+            self.unsent()
+            raise
+        replies = self.request(msgs, stage)
+        self.pool.unlink_segments()
+        self.raise_failures(replies, where)
+        return replies
+
+    def call(self, indices: Any, fn: Any) -> dict[int, Any]:
+        """Run ``fn(replica)`` in the workers ``indices``: their results."""
+        payload = cloudpickle.dumps(fn)
+        replies = self.request({i: P.Call(payload) for i in indices}, "running a function")
+        self.raise_failures(replies, "worker_states")
+        return {i: cloudpickle.loads(replies[i].result) for i in indices}
+
+    def inspect(self) -> list[tuple[int, int]]:
+        """Per worker: the graphs it keeps for us, and its resident memory in bytes (one round trip)."""
+        n = self.setup.n
+        try:
+            release = self.graphs.collect(self.io.release)
+            replies = self.request({i: P.Inspect(release=release) for i in range(n)}, "reporting its state")
+        except BaseException:
+            self.graphs.retell()
+            raise
+        self.raise_failures(replies, "stats")
+        return [(replies[i].graphs, replies[i].rss) for i in range(n)]
+
+    def request(self, msgs: Mapping[int, P.Message], stage: str) -> dict[int, Any]:
+        """``pool.request`` that, on a dead or hung worker, restarts it (``max_restarts``) or breaks the pool."""
+        pool, state = self.pool, self.state
+        sent = pool.rounds_sent
+        self.io.commit()  # the segments made for these messages are named in them
+        try:
+            return self._lost_contexts(pool.request(msgs, stage))
+        except BaseException as exc:
+            if pool.rounds_sent == sent:
+                # Cut short while sending (Ctrl-C): some workers may never see the segments these messages
+                # name, and the next request unlinks every name. Those workers start over with new ones.
+                for w in msgs:
+                    self.io.reset(w)
+            if not isinstance(exc, (WorkerDiedError, WorkerTimeoutError)):
+                raise
+            dead = getattr(exc, "workers", None) or [exc.worker]
+            if state.restarts_left >= len(dead):
+                self._restart_after(exc, dead)
+                raise
+            pool.break_pool(str(exc))
+            hints.amend(exc, hints.broken())
+            raise
+
+    def _restart_after(self, exc: WorkerDiedError | WorkerTimeoutError, dead: list[int]) -> None:
+        """Restart the workers ``dead`` that ``exc`` reports, and say so in ``exc`` (its caller raises it)."""
+        state = self.state
+        state.restarts_left -= len(dead)
+        self.stats.restarts += len(dead)
+        log.warning("%s; restarting worker(s) %s (%d restart(s) left)", str(exc).split("\n", 1)[0], dead,
+                    state.restarts_left)
+        lost = ""
+        if state.workers_hold:  # their no_sync() gradients are gone: the held sums miss them
+            self.held.lost(self.setup.module, self.master.params, f"worker(s) {dead} were restarted at step "
+                           f"{self.pool.step}")
+            lost = hints.lost_held()
+        state.restarting = dead
+        try:
+            self.replicas.restart(dead, self.call)
+        except Exception as again:
+            self.pool.break_pool(str(again))
+            hints.amend(exc, hints.restart_failed(again))
+            raise exc from again
+        except BaseException as cut:  # Ctrl-C: the next call finishes the restart (check_usable)
+            note = hints.cut_restart(dead, str(exc).splitlines()[0])
+            if sys.version_info >= (3, 11):
+                cut.add_note(note)
+            else:
+                log.warning("%s", note)
+            raise
+        exc.restarted = True  # type: ignore[union-attr]
+        hints.amend(exc, hints.restarted(dead, state.restarts_left, lost))
+
+    def _lost_contexts(self, replies: dict[int, Any]) -> dict[int, Any]:
+        """Raise :class:`WorkerDiedError` for workers whose CUDA context a sticky error destroyed (they exit)."""
+        pool = self.pool
+        if not pool.exiting:  # filled by the pool when a CONTEXT_LOST reply arrives
+            return replies
+        lost = sorted(i for i in replies if i in pool.exiting)
+        if not lost:
+            return replies
+        w, r = pool.workers[lost[0]], replies[lost[0]]
+        also = f" (also worker(s) {lost[1:]})" if len(lost) > 1 else ""
+        raise WorkerDiedError(hints.lost_context(w.where(), also, r, pool.step),
+                              worker=lost[0], device=w.device, pid=w.pid, step=pool.step, workers=lost)
+
+    def check_usable(self) -> None:
+        """Raise if the pool cannot serve a call; first finish a restart that a Ctrl-C cut short."""
+        self.pool.check_usable()
+        dead = self.state.restarting
+        if dead is not None:
+            log.warning("finishing the restart of worker(s) %s that a Ctrl-C interrupted", dead)
+            try:
+                self.replicas.restart(dead, self.call)
+            except Exception as exc:
+                self.state.restarting = None  # (nothing left to finish: the pool is broken)
+                self.pool.break_pool(f"restarting worker(s) {dead} failed: {exc!r}")
+                raise PoolBrokenError(hints.finish_failed(dead, exc)) from exc
+
+    def raise_failures(self, replies: Mapping[int, Any], where: str) -> None:
+        """Raise the error of the first shard that failed as the user's (see :func:`dpool.errors.remote_error`)."""
+        failed = sorted((i, r) for i, r in replies.items() if isinstance(r, P.Failed))
+        if not failed:
+            return
+        for i, _ in failed:  # it may have failed before mapping the segments its request named, whose names
+            self.io.reset(i)  # are unlinked by now: it gets new ones next time (see dpool.regions)
+        # Shards released from a collective because another failed are not the cause: report the cause.
+        causes = [(i, r) for i, r in failed if r.qualname != "CollectiveAborted"] or failed
+        i, r = causes[0]
+        w = self.pool.workers[i]
+        master = self.master
+        empty = [n for n, b in zip(master.buffer_names, master.buffers) if not b.numel()]
+        message = hints.worker_failure(r.message, r.qualname, self.state.last_rows, master.buffer_names, empty,
+                                       self.setup.devices, self.setup.cuda)
+        # raised without a local name: a local would tie the exception to this frame's locals (the
+        # I/O segments among them) in a cycle that only the GC frees
+        raise remote_error(r.module, r.qualname, message, r.traceback, worker=i, device=w.device, pid=w.pid,
+                           step=self.pool.step, where=f"{where} (shard {i})")
