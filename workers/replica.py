@@ -12,19 +12,9 @@ State kept across steps:
 * mapped segments by role (``in``, ``out``, ``gout``, ``gin``): remapped only
   when the coordinator announces a new (grown) segment.
 
-Parameter gradients go to the gradient slot in one of two ways, chosen at ``init``:
-
-* as autograd finishes each one: a post-accumulate hook copies it there (or adds
-  a second accumulation to it) and drops ``.grad``. GPU workers, cross-node
-  pools and models of over :data:`BULK_GRAD_COPY_MAX` bytes of parameters.
-  In cross-node mode with overlap (``Init.options["buckets"]``) the hook also
-  counts each bucket's parameters and reports a complete bucket at once
-  (``bucket_ready``), so the coordinator can start its exchange while the rest
-  of the backward runs; a gradient that grows after its bucket was reported
-  marks the reply ``late``;
-* after the backward, all in one ``torch._foreach_copy_`` (the other CPU
-  workers): no Python call per parameter, at the price of holding every
-  gradient until the backward ends (at most ``BULK_GRAD_COPY_MAX`` bytes more).
+The requests are served by handlers grouped by what they do: this module (init, forward, fetch, call,
+inspect), :mod:`.replica_backward` (backward, sparse gradients) and :mod:`.replica_loss` (the loss on the
+workers); :mod:`.buckets` reports cross-node gradient buckets during a backward.
 """
 from __future__ import annotations
 
@@ -33,16 +23,14 @@ import os
 import pickle
 import sys
 import time
-import weakref
 from typing import Any, Callable
 
 import cloudpickle
 import torch
 
 from dpool import tree as _tree
-from dpool.loss import split_loss
 from dpool import protocol as P
-from dpool.tensors import DTYPES, Placer, check_tensor, describe, from_bytes, meta_nbytes, read
+from dpool.tensors import DTYPES, Placer, check_tensor, describe, meta_nbytes, read
 from dpool.transport import attach
 from dpool.transport.base import standalone
 from dpool.transport.shm import Mapped
@@ -50,13 +38,11 @@ from dpool.replicate import REBOUND
 from dpool.sync_batchnorm import _set_collective
 from .assigned import AssignedBuffers
 from .attributes import AttributeWatch
+from .buckets import BucketReporter
 from .libraries import prepare
 from .randomness import Streams
-
-# Largest model (bytes of parameters) whose gradients a CPU worker copies to its slot in one pass after the
-# backward instead of one hook call per parameter as each is accumulated (see the module's docstring).
-BULK_GRAD_COPY_MAX = 64 << 20
-
+from .replica_backward import BULK_GRAD_COPY_MAX, BackwardHandlers, Call
+from .replica_loss import LossHandlers
 
 def cuda_stream() -> torch.cuda.Stream:
     """This GPU worker's current stream: the one GPU it sees is device 0 (``CUDA_VISIBLE_DEVICES``).
@@ -69,35 +55,6 @@ def cuda_stream() -> torch.cuda.Stream:
 
 _size = torch.Tensor.size
 _data_ptr = torch.Tensor.data_ptr
-
-
-def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """``torch.autograd.backward(roots, grads, retain_graph=True)`` without its argument checks.
-
-    The shapes and dtypes were checked by the coordinator's autograd. Skipping
-    ``_make_grads`` also skips its lazy import of sympy, which costs over a
-    second on a worker's first backward.
-    """
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    if engine is None:  # pragma: no cover - other torch versions
-        torch.autograd.backward(roots, grads, retain_graph=True)
-        return
-    engine.run_backward(tuple(roots), tuple(grads), True, False, (), allow_unreachable=True, accumulate_grad=True)
-
-
-def _own_sparse_grads(params: list[torch.Tensor]) -> None:
-    """Give each sparse ``.grad`` memory of its own. An embedding's sparse gradient views its indices (the
-    input shard, in the ``in`` segment) and the gradient of its output (the ``gout`` segment, when it is the
-    model's output): held across steps under ``no_sync()``, it changed when the coordinator placed the next
-    step's shards there. (Coalescing an uncoalesced tensor makes new indices and values.)"""
-    for p in params:
-        g = p.grad
-        if g is not None and g.is_sparse:
-            p.grad = g.coalesce() if not g.is_coalesced() else g.clone()
-
-
-class _NotSpeculable(Exception):
-    """A speculative backward (see ``Replica._speculate``) made sparse gradients: left to the backward round."""
 
 
 class _Unpickler(pickle.Unpickler):
@@ -153,23 +110,7 @@ class _Sentinel:
         )
 
 
-class _Call:
-    __slots__ = ("outputs", "leaves", "world", "out", "n_out")
-
-    def __init__(self, outputs: list[torch.Tensor], leaves: list[torch.Tensor | None], world: int,
-                 out: Any = None) -> None:
-        self.outputs = outputs  # the output tensors, then any losses computed on them (criterion)
-        self.leaves = leaves
-        self.world = world
-        self.out = out  # the structured output, for criterion (gather=False)
-        self.n_out = len(outputs)
-
-
-# The call of a backward that only adds the gradients the worker holds (P.HELD_ONLY): no outputs, no leaves.
-_NO_GRAPH = _Call([], [], 0)
-
-
-class Replica:
+class Replica(BackwardHandlers, LossHandlers):
     """Serves one worker's requests (see :mod:`dpool.protocol`)."""
 
     def __init__(self, index: int, device: str, shm_dir: str) -> None:
@@ -185,7 +126,7 @@ class Replica:
         self.streams: Streams | None = None
         self.known: set[str] = set()
         self.segs: dict[str, Mapped] = {}
-        self.calls: dict[int, _Call] = {}
+        self.calls: dict[int, Call] = {}
         self.unfetched: dict[int, tuple[list[torch.Tensor], bool]] = {}
         self.unfetched_sparse: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         self._to_release: list[int] = []
@@ -194,13 +135,7 @@ class Replica:
         self._holding = False
         self._to_slot = False  # inside a backward whose gradients go to the slot (the hooks act)
         self._written = bytearray()  # per parameter: its slot holds a gradient (since the last reduced backward)
-        self._fresh = bytearray()  # per parameter: accumulated in the current backward
-        self._bucket_of: list[tuple[int, ...]] = []  # per parameter: the buckets it lies in
-        self._bucket_sizes: list[int] = []
-        self._left: list[int] = []  # per bucket: parameters still to come in the current backward
-        self._reported: bytearray = bytearray()
-        self._report_call = -1  # the call whose buckets are reported (-1: none)
-        self._late = False
+        self.buckets = BucketReporter([], 0)  # cross-node overlap (see .buckets)
         self._training = b""
         self._requires_grad = b""
         self._flags_now = b""  # the parameters' requires_grad flags now (a backward's, while it runs)
@@ -242,13 +177,15 @@ class Replica:
 
     # ---------------------------------------------------------------- init
     def init(self, msg: P.Init) -> P.Message:
+        """Build the replica: map the shared memory, unpickle the model onto it, and bind its parameters'
+        gradients to the slot. A second init re-syncs a changed model."""
         self.stage = "unpickling the model"
         # A second init re-syncs a changed model: the old replica's graphs and flags go with it.
         self.calls.clear()
         self.unfetched.clear()
         self.unfetched_sparse.clear()
         self._holding = False
-        self._report_call = -1
+        self.buckets.stop()
         self._training = self._requires_grad = self._flags_now = b""
         for p in msg.sys_path:
             if isinstance(p, str) and p not in sys.path:
@@ -258,6 +195,14 @@ class Replica:
             self.event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), handle)
             self._event_handle = handle
             self.event.wait(cuda_stream())
+        master = self._map(msg)
+        model, params, viewed = self._unpickle(msg)
+        self._bind(msg, model, params, viewed, master)
+        self.stage = "idle"
+        return P.InitDone(len(self.params), len(self.buffer_views))
+
+    def _map(self, msg: P.Init) -> Mapped:
+        """Map the master's parameters and this worker's state segment: the views the model is built on."""
         master = self._seg("params", msg.params)
         state = self._seg("state", msg.state)
         self.param_views = [master.standalone(off, DTYPES[dt], shape, st) for dt, shape, off, _, st in msg.param_layout]
@@ -272,8 +217,13 @@ class Replica:
             self._buf_dst.copy_(self._buf_src)
         else:
             self._buf_src = self._buf_dst = None
+        return master
+
+    def _unpickle(self, msg: P.Init) -> tuple[torch.nn.Module, dict[int, torch.nn.Parameter], set[int]]:
+        """The model, its tensors resolved to the mapped views: the model, its parameters by layout index,
+        and the buffers another tensor of the replica views."""
         params: dict[int, torch.nn.Parameter] = {}
-        viewed: set[int] = set()  # buffers another tensor of the replica views
+        viewed: set[int] = set()
 
         def load(pid: Any) -> Any:
             kind, i = pid[0], pid[1]
@@ -296,10 +246,15 @@ class Replica:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
         prepare(model)  # (what the model's classes' __init__ set up in the coordinator's process)
-        self.streams = Streams(model, self.on_gpu)
         missing = [i for i in range(len(self.param_views)) if i not in params]
         if missing:
             raise RuntimeError(f"parameters {missing} of the layout did not appear in the pickled model")
+        return model, params, viewed
+
+    def _bind(self, msg: P.Init, model: torch.nn.Module, params: dict[int, torch.nn.Parameter], viewed: set[int],
+              master: Mapped) -> None:
+        """Take the unpickled model as this replica's: its checks, its gradients' way to the slot, its hooks."""
+        self.streams = Streams(model, self.on_gpu)
         self.params = [params[i] for i in range(len(self.param_views))]
         self._param_ptrs = [v.data_ptr() for v in self.param_views]
         names = {id(p): n for n, p in model.named_parameters()}
@@ -308,11 +263,10 @@ class Replica:
         self._renorms = [n or "the model" for n, m in model.named_modules()
                          if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None]
         self._written = bytearray(len(self.params))
-        self._fresh = bytearray(len(self.params))
         buckets = msg.options.get("buckets") or []
-        # The two ways to the slot (see the module's docstring): a Python hook per parameter per backward
-        # costs several times one copy for many small parameters (docs/performance.md), but frees each
-        # gradient at once, which counts most on a GPU, and reports buckets in a cross-node pool.
+        # The two ways to the slot (see .replica_backward): a Python hook per parameter per backward costs
+        # several times one copy for many small parameters (docs/performance.md), but frees each gradient at
+        # once, which counts most on a GPU, and reports buckets in a cross-node pool.
         param_bytes = sum(v.numel() * v.element_size() for v in self.param_views)
         if self.on_gpu or buckets or param_bytes > BULK_GRAD_COPY_MAX:
             for i, p in enumerate(self.params):
@@ -320,12 +274,7 @@ class Replica:
                 p.requires_grad_(True)        # keeps it while the flag is off: it acts once the parameter
                 p.register_post_accumulate_grad_hook(self._to_slot_hook(i))  # is unfrozen
                 p.requires_grad_(not frozen)
-        self._bucket_of = [() for _ in self.params]
-        for b, members in enumerate(buckets):
-            for i in members:
-                self._bucket_of[i] += (b,)
-        self._bucket_sizes = [len(m) for m in buckets]
-        self._reported = bytearray(len(buckets))
+        self.buckets = BucketReporter(buckets, len(self.params))
         self.modules = list(model.modules())
         self.model = model
         self._assigned = AssignedBuffers(model, self.buffer_views, viewed)
@@ -337,46 +286,6 @@ class Replica:
             self._bn_counts = [0] * len(bns)
             for j, bn in enumerate(bns):
                 bn.register_forward_pre_hook(self._counter(j))
-        self.stage = "idle"
-        return P.InitDone(len(self.params), len(self.buffer_views))
-
-    def _to_slot_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        """Parameter ``i``'s post-accumulate hook: its gradient into the slot (and its bucket's count).
-
-        The hook holds the replica weakly: parameter → hook → replica → parameter would be a cycle that
-        keeps a detached client's model (and its mapped memory) alive until the garbage collector runs.
-        """
-        slot = self.grad_views[i]
-        ref = weakref.ref(self)
-
-        def hook(p: torch.Tensor) -> None:
-            me = ref()
-            if me is None or not me._to_slot:  # create_graph, or autograd run by the model itself: .grad stays
-                return
-            g = p.grad
-            if g is None or g.is_sparse:  # sparse gradients are collected after the backward
-                return
-            if me._written[i]:
-                slot.add_(g)  # a second accumulation (no_sync, a parameter reused across checkpoints)
-            else:
-                slot.copy_(g)
-                me._written[i] = 1
-            p.grad = None
-            if me._report_call < 0:
-                return
-            if me._fresh[i]:
-                if any(me._reported[b] for b in me._bucket_of[i]):
-                    me._late = True  # its bucket left with an earlier value
-                return
-            me._fresh[i] = 1
-            for b in me._bucket_of[i]:
-                me._left[b] -= 1
-                if me._left[b] == 0:
-                    me._reported[b] = 1
-                    assert me.notify is not None
-                    me.notify(P.BucketReady(me._report_call, b))
-
-        return hook
 
     def _enter_collective(self, world: int) -> None:
         coll = self.collective
@@ -527,7 +436,7 @@ class Replica:
             check_tensor(t, f"output tensor {i}")
         differentiable = msg.grad and any(t.requires_grad for t in outs)
         if differentiable or msg.keep:
-            self.calls[msg.call] = _Call(outs, leaves, msg.world, out if msg.keep else None)
+            self.calls[msg.call] = Call(outs, leaves, msg.world, out if msg.keep else None)
         if msg.keep:  # gather=False: the outputs stay here (a later gather fetches them); only what they are
             # travels (dtype, shape, requires_grad: the loss's dtype, its denominator)
             metas = [describe(t, 0, msg.grad and t.requires_grad) for t in outs]
@@ -555,311 +464,6 @@ class Replica:
         placer = Placer()
         metas = [Placer.write(seg.views, placer.reserve(t), t, grad and t.requires_grad) for t in outs]
         return P.FetchDone(msg.call, metas)
-
-    # ---------------------------------------------------------------- backward
-    def backward(self, msg: P.Backward) -> P.Message:
-        self.stage = f"running backward at step {msg.step}"
-        t0 = time.monotonic()
-        roots, grads = [], []
-        if msg.call == P.HELD_ONLY:  # no shard of this batch: only the gradients held since no_sync() join it
-            call, giseg = _NO_GRAPH, None
-        else:
-            call = self.calls.get(msg.call)
-            if call is None:
-                raise RuntimeError(
-                    "Trying to backward through the graph a second time (or directly access saved tensors after "
-                    "they have already been freed). Specify retain_graph=True if you need to backward through "
-                    "the graph a second time."
-                )
-            gseg = self._seg("gout", msg.grads)
-            giseg = self._seg("gin", msg.input_grads)
-            for t, meta in zip(call.outputs, msg.grad_tensors):
-                if meta is not None and t is not None and t.requires_grad:
-                    roots.append(t)
-                    grads.append(read(gseg.views, meta))
-        if msg.drop and self._holding:  # the loop cleared the master's gradients during no_sync()
-            for i, flag in enumerate(msg.drop):
-                if flag:
-                    self.params[i].grad = None
-                    self._written[i] = 0
-        versions = self._buffer_versions()
-        own = self._backward_flags(msg.requires_grad)
-        try:
-            if msg.keep_as and giseg is not None:
-                done = self._backward_create_graph(msg, call, roots, grads, giseg, t0)
-            else:
-                done = self._backward(msg.call, call, roots, grads, giseg, msg.input_grads[1], msg.hold, msg.sparse,
-                                      t0)
-        finally:
-            self._backward_flags(own)
-        if versions:
-            self._put_back_assigned()  # (a hook assigned one: into its view, before the counters are read)
-            done.buffers = self._changed_buffers(versions)
-        return done
-
-    def _buffer_versions(self) -> list[int]:
-        """The buffers' version counters: a backward hook that updates one in place moves its counter (the
-        refresh before a forward writes the views' memory through another tensor, which moves none)."""
-        return [b._version for b in self.buffer_views]
-
-    def _changed_buffers(self, versions: list[int]) -> list[int]:
-        return [i for i, (b, v) in enumerate(zip(self.buffer_views, versions)) if b._version != v]
-
-    def _backward_flags(self, flags: bytes) -> bytes:
-        """Give the parameters ``flags`` (one process accumulates into those that require grad when the backward
-        runs); returns what to give back afterwards. The slots are left alone: the next forward's flags decide
-        which hold zeros."""
-        if not flags or flags == self._flags_now:
-            return self._flags_now
-        before, self._flags_now = self._flags_now, flags
-        for p, flag in zip(self.params, flags):
-            p.requires_grad_(bool(flag))
-        return before
-
-    def _backward(self, call_id: int, call: _Call, roots: list[torch.Tensor], grads: list[torch.Tensor],
-                  giseg: Mapped | None, gin_size: int, hold: bool, sparse_ref: list, t0: float,
-                  speculative: bool = False) -> P.BackwardDone:
-        """Backpropagate ``grads`` from ``roots``: parameter gradients into the slot (or held, ``hold``), input
-        gradients into ``giseg`` (``gin_size`` bytes). ``speculative`` (a criterion's seed): no bucket reports,
-        and sparse gradients raise :class:`_NotSpeculable` instead of being written."""
-        if not self._holding:  # a fresh accumulation (a failed backward's partial one is dropped too)
-            for p in self.params:
-                p.grad = None
-            self._written = bytearray(len(self.params))
-        report = bool(self._bucket_sizes) and bool(roots) and not hold and not self.on_gpu and not speculative
-        if report:  # count each bucket's parameters that take a gradient in this backward
-            self._report_call, self._late = call_id, False
-            self._fresh = bytearray(len(self.params))
-            self._reported = bytearray(len(self._bucket_sizes))
-            self._left = list(self._bucket_sizes)
-            for i, p in enumerate(self.params):
-                if not p.requires_grad:
-                    for b in self._bucket_of[i]:
-                        self._left[b] -= 1
-        if roots:
-            self._enter_collective(call.world)
-            self._to_slot = True
-            try:
-                _run_backward(roots, grads)
-            finally:
-                self._to_slot = False
-                self._report_call = -1
-                _set_collective(None)
-        mask = bytearray(len(self.params))
-        sparse: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self._holding = hold  # no_sync: gradients stay here, accumulating, until a backward without hold
-        if hold:  # (dense gradients went to the slot; sparse ones stay in .grad)
-            _own_sparse_grads(self.params)
-        else:  # what is still in .grad goes to the slot (all of it when no hook copied as it came)
-            views, written = self.grad_views, self._written
-            copy_to: list[torch.Tensor] = []
-            copy_from: list[torch.Tensor] = []
-            add_to: list[torch.Tensor] = []
-            add_from: list[torch.Tensor] = []
-            zero: list[torch.Tensor] = []
-            for i, p in enumerate(self.params):
-                if not p.requires_grad:
-                    continue
-                g = p.grad
-                if g is None:
-                    if written[i]:
-                        mask[i] = 1
-                    else:
-                        zero.append(views[i])
-                    continue
-                p.grad = None
-                if g.is_sparse:  # nn.Embedding(sparse=True): indices and values travel
-                    if speculative:
-                        raise _NotSpeculable()
-                    g = g.coalesce()
-                    sparse.append((i, g.indices(), g.values()))
-                    mask[i] = 2
-                    continue
-                if written[i]:  # the hook took an earlier accumulation of this backward
-                    add_to.append(views[i])
-                    add_from.append(g)
-                else:
-                    copy_to.append(views[i])
-                    copy_from.append(g)
-                mask[i] = 1
-            if copy_to:
-                torch._foreach_copy_(copy_to, copy_from)
-            if add_to:
-                torch._foreach_add_(add_to, add_from)
-            if zero:
-                torch._foreach_zero_(zero)
-        smetas: list[Any] = []
-        sparse_need = 0
-        if sparse:
-            smetas, sparse_need = self._write_sparse(sparse, sparse_ref)
-            if sparse_need:
-                self.unfetched_sparse[call_id] = sparse
-        placer = Placer()
-        metas: list[Any] = []
-        for leaf in call.leaves:
-            if leaf is None or leaf.grad is None:
-                metas.append(None)
-                continue
-            off = placer.reserve(leaf.grad)
-            if giseg is None or placer.offset > gin_size:
-                raise RuntimeError("input-gradient segment too small (coordinator bug)")
-            metas.append(Placer.write(giseg.views, off, leaf.grad))
-            leaf.grad = None
-        self.stage = "idle"
-        self._sync()
-        return P.BackwardDone(call_id, bytes(mask), metas, time.monotonic() - t0, smetas, sparse_need,
-                              report and self._late, t0)
-
-    def _backward_create_graph(self, msg: P.Backward, call: _Call, roots: list[torch.Tensor],
-                               grads: list[torch.Tensor], giseg: Mapped, t0: float) -> P.Message:
-        """``backward(create_graph=True)``: gradients that are themselves differentiable.
-
-        The gradients' graph is kept as call ``msg.keep_as`` (see :class:`dpool.protocol.Backward`);
-        the incoming gradients become leaves of it (copied: their segment is reused next step).
-        """
-        gleaves = [g.clone().requires_grad_(True) for g in grads]
-        wanted = [p for p in self.params if p.requires_grad]
-        inputs = [leaf for leaf in call.leaves if leaf is not None]
-        results: list[Any] = [None] * (len(wanted) + len(inputs))
-        if roots:
-            self._enter_collective(call.world)
-            try:
-                with torch.enable_grad():
-                    results = list(torch.autograd.grad(roots, wanted + inputs, gleaves, retain_graph=True,
-                                                       create_graph=True, allow_unused=True))
-            finally:
-                _set_collective(None)
-        # no_sync() sums: in .grad, or in the slot where a hook took them (self._written). Into the slot, and
-        # these gradients add to them, as one process adds to .grad.
-        held = self._written if self._holding else bytearray(len(self.params))
-        if self._holding:
-            for i, p in enumerate(self.params):
-                g, p.grad = p.grad, None
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise RuntimeError("dpool does not support create_graph=True after no_sync() with sparse "
-                                       "gradients")
-                if held[i]:
-                    self.grad_views[i].add_(g)
-                else:
-                    self.grad_views[i].copy_(g)
-                    held[i] = 1
-        self._holding = False
-        self._written = bytearray(len(self.params))
-        mask = bytearray(len(self.params))
-        k = 0
-        for i, p in enumerate(self.params):
-            if not p.requires_grad:
-                continue
-            r = results[k]
-            k += 1
-            if r is not None and r.is_sparse:
-                raise RuntimeError("dpool does not support create_graph=True with sparse gradients")
-            if held[i]:
-                if r is not None:
-                    self.grad_views[i].add_(r.detach())
-                mask[i] = 1
-            elif r is None:
-                self.grad_views[i].zero_()
-            else:
-                self.grad_views[i].copy_(r.detach())
-                mask[i] = 1
-        placer = Placer()
-        metas: list[Any] = []
-        it = iter(results[len(wanted):])
-        for leaf in call.leaves:
-            r = next(it) if leaf is not None else None
-            if r is None:
-                metas.append(None)
-                continue
-            off = placer.reserve(r)
-            if placer.offset > msg.input_grads[1]:
-                raise RuntimeError("input-gradient segment too small (coordinator bug)")
-            metas.append(Placer.write(giseg.views, off, r.detach()))
-        self.calls[msg.keep_as] = _Call(results, gleaves + list(call.leaves), call.world)
-        self.stage = "idle"
-        return P.BackwardDone(msg.call, bytes(mask), metas, time.monotonic() - t0, [], 0, False, t0)
-
-    def _write_sparse(self, sparse: list[tuple[int, torch.Tensor, torch.Tensor]], ref: list) -> tuple[list, int]:
-        """Write sparse gradients into the segment ``ref``; (metas, 0), or ([], bytes needed) if too small."""
-        placer = Placer()
-        offs = [(placer.reserve(ix), placer.reserve(v)) for _, ix, v in sparse]
-        if placer.offset > ref[1]:
-            return [], placer.offset
-        seg = self._seg("sparse", ref)
-        return [[i, Placer.write(seg.views, oi, ix), Placer.write(seg.views, ov, v)]
-                for (i, ix, v), (oi, ov) in zip(sparse, offs)], 0
-
-    def fetch_sparse(self, msg: P.FetchSparse) -> P.Message:
-        metas, need = self._write_sparse(self.unfetched_sparse.pop(msg.call), msg.sparse)
-        if need:
-            raise RuntimeError("sparse-gradient segment still too small (coordinator bug)")
-        return P.FetchSparseDone(msg.call, metas)
-
-    # ---------------------------------------------------------------- loss on the workers
-    def forward_criterion(self, msg: P.ForwardCriterion) -> P.Message:
-        """A deferred forward and its loss (``dpool.coordinator._Deferred``): the forward's failure is the
-        request's; the loss's is reported beside the forward's reply, which the coordinator commits first."""
-        done = self.forward(P.inner("forward", msg.forward))  # (a kept forward's: its outputs stay here)
-        try:
-            loss = self.criterion(P.inner("criterion", msg.criterion))
-        except Exception as exc:
-            stage, self.stage = self.stage, "idle"
-            return P.ForwardCriterionDone(P.values_of(done), "failed", P.values_of(P.Failed.of(stage, exc)))
-        return P.ForwardCriterionDone(P.values_of(done), "criterion_done", P.values_of(loss))
-
-    def criterion(self, msg: P.Criterion) -> P.Message:
-        self.stage = "computing the loss"
-        call = self.calls.get(msg.call)
-        if call is None or call.out is None:
-            raise RuntimeError("the outputs of this call are no longer kept on the worker (released)")
-        inp = self._seg("in", msg.inputs)
-        # mapped now, whether or not the backward runs with the loss: its name is unlinked after this round
-        gin = self._seg("gin", msg.input_grads) if msg.seed else None
-        tensors = [read(inp.views, m) for m in msg.tensors]
-        args = _tree.unflatten(msg.tree, tensors.__getitem__)
-        loss_fn = _tree.load_type(msg.fn)  # cached: the same criterion is sent every step
-        with torch.set_grad_enabled(any(t.requires_grad for t in call.outputs)):
-            total, denom = split_loss(loss_fn, call.out, args, self._reduced)
-        call.outputs.append(total)
-        versions = self._buffer_versions()
-        done = self._speculate(msg, call, total, gin) if gin is not None else None
-        if done is not None and versions:
-            self._put_back_assigned()
-        self.stage = "idle"
-        if done is None:
-            return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom), False, b"",
-                                   [], 0.0)
-        return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom), True,
-                               done.param_mask, done.input_grads, done.busy,
-                               self._changed_buffers(versions) if versions else [])
-
-    def _speculate(self, msg: P.Criterion, call: _Call, total: torch.Tensor, gin: Mapped) -> P.BackwardDone | None:
-        """The backward of the shard loss ``total`` with the coordinator's ``msg.seed``, run now, exactly as
-        the :class:`~dpool.protocol.Backward` that ``loss.backward()`` would send; ``None`` when it does not
-        run or fails (the coordinator then sends that backward: its error, if any, is reported there)."""
-        if self._holding or not total.requires_grad:  # no_sync gradients held here: never mixed into
-            return None
-        seed = from_bytes(msg.seed, DTYPES[msg.seed_dtype]).reshape(())
-        if self.on_gpu:
-            seed = seed.to(self.device)
-        self.stage = f"running backward at step {msg.step} (right after the loss)"
-        own = self._backward_flags(msg.requires_grad)
-        try:
-            return self._backward(msg.call, call, [total], [seed], gin, msg.input_grads[1], False, [None, 0],
-                                  time.monotonic(), speculative=True)
-        except Exception:  # sparse gradients (_NotSpeculable) or the model's error: a fresh start next time
-            for p in self.params:
-                p.grad = None
-            for leaf in call.leaves:
-                if leaf is not None:
-                    leaf.grad = None
-            self._written = bytearray(len(self.params))
-            self._holding = False
-            return None
-        finally:
-            self._backward_flags(own)
 
     # ---------------------------------------------------------------- misc
     def inspect(self, msg: P.Inspect) -> P.Message:
