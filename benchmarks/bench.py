@@ -427,7 +427,7 @@ def balance_demo(steps: int, repeats: int) -> str:
         opt = torch.optim.SGD(model.parameters(), lr=w.lr)
         _steps(model, opt, w.loss, data, 5)
         times = [_steps(model, opt, w.loss, data, steps) for _ in range(repeats)]
-        shares = model._runtime.balancer.weights()
+        shares = model._runtime.forwards.balancer.weights()
         model.close()
         sps = w.global_batch * steps / statistics.median(times)
         share = "even" if shares is None else "/".join(f"{x / sum(shares):.2f}" for x in shares)

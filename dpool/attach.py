@@ -25,18 +25,16 @@ import secrets
 import select
 import signal
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from . import protocol as P
 from .daemon_client import locate, read_pool, request
 from .errors import DaemonLostError, DpoolError, UnsupportedError, WorkerDiedError, WorkerStartError
-from .launch import Launcher, Worker
+from .launch import Launcher, Pool, Worker
 from .transport import cuda_ipc
 
-if TYPE_CHECKING:
-    from .pool import Pool
 
 __all__ = ["Lease"]
 

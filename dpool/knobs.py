@@ -3,8 +3,8 @@
 Library code reads the environment only through :func:`get` (and :func:`raw` for the few values that
 are passed on as they are): no other module of ``dpool`` or ``dpool_workers`` calls ``os.environ`` for a
 ``DPOOL_*`` name, and every such name in the code is one declared here (``tests/test_shape.py`` checks
-both). ``docs/knobs.md`` is generated from this table (``python -m dpool.knobs > docs/knobs.md``; a test
-checks that it is current).
+both). ``docs/knobs.md`` is generated from this table (the command is at its top; a test checks that it is
+current).
 
 Torch-free: the command line and the daemon client import it.
 """
@@ -175,7 +175,7 @@ def markdown() -> str:
     """``docs/knobs.md``: every knob, grouped, as a table."""
     lines = ["# Environment variables", "",
              "Every `DPOOL_*` variable dpool reads, generated from `dpool/knobs.py` "
-             "(`python -m dpool.knobs > docs/knobs.md`). An unset or empty variable takes its default; a value "
+             "(`python -c 'import dpool.knobs as k; print(k.markdown(), end=\"\")' > docs/knobs.md`). An unset or empty variable takes its default; a value "
              "the variable does not take raises `dpool.DpoolValueError` naming it and its choices.", ""]
     groups: dict[str, list[Knob]] = {}
     for knob in KNOBS.values():
@@ -189,7 +189,3 @@ def markdown() -> str:
             lines.append(f"| `{k.name}` | {takes} | {default} | {k.doc} |")
         lines.append("")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(markdown(), end="")

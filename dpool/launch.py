@@ -21,14 +21,34 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from . import protocol as P
 from .errors import DpoolError, WorkerDiedError, WorkerStartError
 from .policies import worker_cpus, worker_sched
 
-if TYPE_CHECKING:  # the pool is passed in, never imported: it imports us
-    from .pool import Pool
+
+
+class Pool(Protocol):
+    """What a launcher uses of the :class:`dpool.pool.Pool` it is passed (never imported: the pool imports us)."""
+
+    workers: list["Worker"]
+    config: Any
+    step: int
+    threads: int
+    endpoint: str
+    prefix: str
+    control: Any
+    key: bytes
+    inherited_fds: list[int]
+    chan: Any
+
+    def watch(self, w: "Worker") -> None: ...
+    def tell(self, w: "Worker", msg: Any) -> bool: ...
+    def kill(self, w: "Worker") -> None: ...
+    def exited(self, w: "Worker") -> bool: ...
+    def drain(self) -> Iterable[tuple[int, Any]]: ...
+    def rekey(self, key: bytes) -> None: ...
 
 __all__ = ["worker_command", "worker_env", "worker_package_dir", "visible_device", "client_device",
            "WORKER_MALLOC_KEEP", "Worker", "Launcher", "Spawn",

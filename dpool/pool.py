@@ -144,16 +144,12 @@ class Pool:
         threads: torch intra-op threads for each worker.
         attach: the name of a ``dpool-workers`` pool whose workers to lease (see :mod:`dpool.attach`),
             or ``None`` to spawn our own (:class:`dpool.launch.Spawn`).
-        reply_together: whether rounds of several shards ask the workers to reply together
-            (:func:`dpool.policies.reply_together`).
-        spin_s: how long past a short round's previous time to spin before sleeping
-            (:func:`dpool.policies.wait_spin`, NOTE [ spinning through short rounds ]).
-        across: what combines SyncBatchNorm's statistics with other nodes' (cross-node mode), or ``None``.
+        reply_together, spin_s: how rounds are waited for (:mod:`dpool.policies`, and the NOTEs above).
+        across: combines SyncBatchNorm's statistics with other nodes' (cross-node mode), or ``None``.
     """
 
     def __init__(self, devices: Sequence[str], config: Config, threads: int, attach: str | None = None,
-                 reply_together: bool = False, spin_s: float = 0.0,
-                 across: Callable[[Any], None] | None = None) -> None:
+                 reply_together: bool = False, spin_s: float = 0.0, across: Callable | None = None) -> None:
         self.launcher: Launcher = Lease(attach) if attach is not None else Spawn()
         self.devices = list(devices)
         # Per GPU of ours: the interprocess event recorded before each request (NOTE [ CUDA ownership ])
@@ -187,14 +183,10 @@ class Pool:
         # its first request left, and when each worker's reply was read (see dpool.stats.Stats.split_round)
         self.sent_at = 0.0
         self.arrived = [0.0] * len(self.devices)
-        # Whether rounds of several shards ask the workers to reply together, and the number of the latest
-        # such round.
-        self.reply_together = reply_together
+        self.reply_together = reply_together  # (and the number of the latest such round:)
         self._together_round = 0
         self._rounds_at = 8 * len(self.devices)  # byte offset of those round slots in the control segment
-        # How long past a short round's previous time to spin before sleeping, and each stage's latest
-        # round time (NOTE [ spinning through short rounds ]).
-        self.spin_s = spin_s
+        self.spin_s = spin_s  # (and each stage's latest round time: NOTE [ spinning through short rounds ])
         self._took: dict[str, float] = {}
         self.rounds_spun = 0  # rounds whose last reply a spin caught
         self.workers = [Worker(i, d) for i, d in enumerate(self.devices)]

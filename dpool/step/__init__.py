@@ -5,7 +5,7 @@ Read the code in this order: ``runtime`` (the facade) → ``forward`` → ``defe
 worker memory) → ``follow`` (the user's process) → ``state`` (the step's state) → ``hints`` (error text).
 
 ``CUT_POINTS`` lists every function of this package that runs during a step (a forward, a loss on the
-workers, a backward). Each was reviewed for a Ctrl-C at any point: ``tests/test_lifecycle.py`` cuts the
+workers, a backward, and the restart a round that met a dead worker runs). Each was reviewed for a Ctrl-C at any point: ``tests/test_lifecycle.py`` cuts the
 ones that hold a ``try`` at every offset, and ``tests/test_shape.py`` fails when a step runs a function
 of this package that is not listed, so a new one cannot escape that review.
 """
@@ -26,7 +26,8 @@ CUT_POINTS = (
     _forward.Forwards.run, _forward.Forwards._follow, _forward.Forwards._flags, _forward.Forwards._begin_across,
     _forward.Forwards._reserve, _forward.Forwards._messages, _forward.Forwards._defers, _forward.Forwards.drop,
     _forward.Forwards.failed, _forward.Forwards.finish, _forward.Forwards._call_state,
-    _forward.Forwards._gather_or_keep, _forward.Forwards._commit, _forward.Planned.rows, _forward.Planned.output,
+    _forward.Forwards._gather_or_keep, _forward.Forwards._commit, _forward.Planned.__init__, _forward.Planned.rows,
+    _forward.Planned.output, _forward.Unrun.__init__, _forward.Pending.__init__,
     _forward.Planned.diff_inputs, _forward.Unrun.check, _forward.reserve, _forward.write, _forward.out_shapes,
     _forward.loss_dtype,
     _deferred.Deferred.synced, _deferred.Deferred.run, _deferred.Deferred._run_alone,
@@ -41,7 +42,10 @@ CUT_POINTS = (
     _backward.Backwards.commit_buffers, _backward.Backwards.changed_buffers, _backward.params_changed,
     _rounds.Rounds.unsent, _rounds.Rounds.fetch, _rounds.Rounds.call, _rounds.Rounds.request,
     _rounds.Rounds._lost_contexts, _rounds.Rounds.check_usable, _rounds.Rounds.raise_failures,
-    _replicas.ReplicaSet.push, _replicas.ReplicaSet.commit_rebound,
+    _rounds.Rounds._restart_after,
+    _replicas.ReplicaSet.push, _replicas.ReplicaSet.commit_rebound, _replicas.ReplicaSet.restart,
+    _replicas.ReplicaSet.init_workers, _replicas.ReplicaSet._new_memory, _replicas.ReplicaSet._arena,
+    _replicas.ReplicaSet.rebuild, _replicas.ReplicaSet._params_ref, _replicas.ReplicaSet._follow_patches,
     _follow.in_transform, _follow.in_dual_level, _follow.follow_numerics, _follow.follow_backend_flags,
     _follow.Notices.new, _follow.Notices.attributes,
     _state.StepState.draw_seed, _state.SlotGen.bump, _state.SlotGen.token, _state.SlotGen.valid,

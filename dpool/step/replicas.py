@@ -30,6 +30,7 @@ from ..gpu import check_free_memory
 from ..layout import Layout
 from ..pool import Pool
 from ..reduce import Reducer
+from ..regions import IORegions
 from ..replicate import Master, take_rebound
 from ..sync_batchnorm import synchronizes
 from .follow import Notices
@@ -63,9 +64,9 @@ class WorkerMemory:
 class ReplicaSet:
     """The master's binding and the workers' replicas of it (see the module's docstring)."""
 
-    def __init__(self, setup: Setup, state: StepState, pool: Pool, master: Master, graphs: Graphs,
+    def __init__(self, setup: Setup, state: StepState, pool: Pool, io: IORegions, master: Master, graphs: Graphs,
                  held: HeldGradients, notices: Notices, config: Config) -> None:
-        self.setup, self.state, self.pool, self.master, self.graphs = setup, state, pool, master, graphs
+        self.setup, self.state, self.pool, self.io, self.master, self.graphs = setup, state, pool, io, master, graphs
         self.held, self.notices, self.config = held, notices, config
         self.alias = [not setup.cuda or (ALIAS_SAME_GPU and torch.device(d) == setup.device) for d in setup.devices]
         self.memory = WorkerMemory(setup.n)
@@ -204,12 +205,16 @@ class ReplicaSet:
     def restart(self, indices: list[int], call: Call) -> None:
         """Replace the workers ``indices`` and re-sync them from the master. A Ctrl-C may cut it anywhere:
         it then runs again, whole, at the next call (:meth:`dpool.step.rounds.Rounds.check_usable`)."""
+        if self.state.workers_hold:  # their no_sync() gradients are gone: the held sums miss them
+            self.held.lost(self.setup.module, self.master.params,
+                           f"worker(s) {indices} were restarted at step {self.pool.step}")
         # Graphs kept by the dead worker are gone: calls made so far can no longer be backpropagated.
         self.graphs.lose_all()
         self.state.slots.bump("restart")  # (first, so that a cut restart leaves no speculative result valid)
         self.pool.respawn(indices)
         for i in indices:
             self._new_memory(i)
+            self.io.reset(i)  # (a new process: its I/O segments are made anew)
         self.state.sent_flags = None  # a new process starts with torch's default numerics settings
         self.state.sent_numerics = None
         self.init_workers(indices, call)

@@ -12,7 +12,6 @@ from typing import Any, Callable, Mapping
 import cloudpickle
 
 from .. import protocol as P
-from ..accumulate import HeldGradients
 from ..bridge import Graphs
 from ..errors import PoolBrokenError, WorkerDiedError, WorkerTimeoutError, remote_error
 from ..pool import Pool
@@ -32,9 +31,9 @@ class Rounds:
     """Requests to the workers, with the restart policy and the failures of their replies."""
 
     def __init__(self, setup: Setup, state: StepState, pool: Pool, io: IORegions, graphs: Graphs, stats: Stats,
-                 master: Master, held: HeldGradients, replicas: ReplicaSet) -> None:
+                 master: Master, replicas: ReplicaSet) -> None:
         self.setup, self.state, self.pool, self.io, self.graphs = setup, state, pool, io, graphs
-        self.stats, self.master, self.held, self.replicas = stats, master, held, replicas
+        self.stats, self.master, self.replicas = stats, master, replicas
 
     def unsent(self) -> None:
         """Building a round's messages failed: forget the segments made for it (no worker will map them)."""
@@ -58,7 +57,7 @@ class Rounds:
     def call(self, indices: Any, fn: Any) -> dict[int, Any]:
         """Run ``fn(replica)`` in the workers ``indices``: their results."""
         payload = cloudpickle.dumps(fn)
-        replies = self.request({i: P.Call(payload) for i in indices}, "running a function")
+        replies = self.request({i: P.Call(fn=payload) for i in indices}, "running a function")
         self.raise_failures(replies, "worker_states")
         return {i: cloudpickle.loads(replies[i].result) for i in indices}
 
@@ -90,39 +89,35 @@ class Rounds:
             if not isinstance(exc, (WorkerDiedError, WorkerTimeoutError)):
                 raise
             dead = getattr(exc, "workers", None) or [exc.worker]
-            if state.restarts_left >= len(dead):
-                self._restart_after(exc, dead)
+            if state.restarts_left < len(dead):
+                pool.break_pool(str(exc))
+                hints.amend(exc, hints.broken())
                 raise
-            pool.break_pool(str(exc))
-            hints.amend(exc, hints.broken())
+            state.restarting = dead  # (first: from here on a Ctrl-C leaves the restart to the next call)
+            state.restarts_left -= len(dead)
+            try:
+                self._restart_after(exc, dead)
+            except Exception as again:
+                pool.break_pool(str(again))
+                hints.amend(exc, hints.restart_failed(again))
+                raise exc from again
+            except BaseException as cut:  # Ctrl-C: the next call finishes the restart (check_usable)
+                note = hints.cut_restart(dead, str(exc).splitlines()[0])
+                if sys.version_info >= (3, 11):
+                    cut.add_note(note)
+                else:
+                    log.warning("%s", note)
+                raise
             raise
 
     def _restart_after(self, exc: WorkerDiedError | WorkerTimeoutError, dead: list[int]) -> None:
         """Restart the workers ``dead`` that ``exc`` reports, and say so in ``exc`` (its caller raises it)."""
         state = self.state
-        state.restarts_left -= len(dead)
         self.stats.restarts += len(dead)
         log.warning("%s; restarting worker(s) %s (%d restart(s) left)", str(exc).split("\n", 1)[0], dead,
                     state.restarts_left)
-        lost = ""
-        if state.workers_hold:  # their no_sync() gradients are gone: the held sums miss them
-            self.held.lost(self.setup.module, self.master.params, f"worker(s) {dead} were restarted at step "
-                           f"{self.pool.step}")
-            lost = hints.lost_held()
-        state.restarting = dead
-        try:
-            self.replicas.restart(dead, self.call)
-        except Exception as again:
-            self.pool.break_pool(str(again))
-            hints.amend(exc, hints.restart_failed(again))
-            raise exc from again
-        except BaseException as cut:  # Ctrl-C: the next call finishes the restart (check_usable)
-            note = hints.cut_restart(dead, str(exc).splitlines()[0])
-            if sys.version_info >= (3, 11):
-                cut.add_note(note)
-            else:
-                log.warning("%s", note)
-            raise
+        lost = hints.lost_held() if state.workers_hold else ""  # (ReplicaSet.restart says so to the markers)
+        self.replicas.restart(dead, self.call)
         exc.restarted = True  # type: ignore[union-attr]
         hints.amend(exc, hints.restarted(dead, state.restarts_left, lost))
 

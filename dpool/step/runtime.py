@@ -134,8 +134,8 @@ class Runtime:
         setup, state, pool, io, graphs, stats, master = (self.setup, self.state, self.pool, self.io, self.graphs,
                                                          self.stats, self.master)
         notices = Notices()
-        replicas = self.replicas = ReplicaSet(setup, state, pool, master, graphs, held, notices, config)
-        rounds = self.rounds = Rounds(setup, state, pool, io, graphs, stats, master, held, replicas)
+        replicas = self.replicas = ReplicaSet(setup, state, pool, io, master, graphs, held, notices, config)
+        rounds = self.rounds = Rounds(setup, state, pool, io, graphs, stats, master, replicas)
         forwards = self.forwards = Forwards(setup, state, config, pool, io, graphs, stats, balancer, master,
                                             replicas, rounds, notices, defer=forward_with_loss())
         self.deferred = Deferred(state, graphs, stats, master, rounds, forwards)
