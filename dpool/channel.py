@@ -37,7 +37,12 @@ import zmq
 from . import protocol as P
 from .errors import ProtocolError
 
-__all__ = ["Channel"]
+__all__ = ["Channel", "KEY_REJECTED"]
+
+# What a daemon answers, once per connection, to a frame that failed authentication: a constant that says
+# only that the key was wrong (it is not a message: it fails every check), so that the client can say so at
+# once instead of timing out. Nothing else is ever answered to a frame that failed a check.
+KEY_REJECTED = b"dpool: key rejected"
 
 # libzmq's per-frame cap sits above the codec's payload limit by the MAC and the envelope.
 _FRAME_SLACK = 1024
@@ -99,6 +104,7 @@ class Channel:
         self.last_seq = 0  # of the message recv() and recv_nowait() returned last
         self.last_re = 0  # the request that message answers (0: not a reply)
         self.rejected = 0
+        self.key_rejected = False  # a DEALER's peer answered KEY_REJECTED
         self._on_reject = on_reject
 
     # ------------------------------------------------------------------ set-up
@@ -196,6 +202,9 @@ class Channel:
         peer = frames[0] if self.router else b""
         body = frames[1:] if self.router else frames
         if body == _CUT:  # the end of a message whose send was cut short (see send): nothing in it
+            return None
+        if not self.router and body == [KEY_REJECTED]:
+            self.key_rejected = True
             return None
         try:
             seq, re, msg = self.codec.decode(body)

@@ -18,14 +18,18 @@ Hierarchy::
     ├── CollectiveDesyncError  cross-node mode: the nodes reached different steps; also a RuntimeError
     ├── UnsupportedError       a use dpool cannot run exactly (raised instead of a wrong result);
     │                          also a NotImplementedError
-    ├── PoolNotFoundError      no dpool-workers pool of that name runs; also a FileNotFoundError
+    ├── PoolNotFoundError      no dpool-workers pool of that name runs (or its key file is missing);
+    │                          also a FileNotFoundError
+    ├── PoolPermissionError    a pool, its directory or key belongs to another user or is open to
+    │                          others; also a PermissionError
     ├── UnpicklableModelError  the model cannot be shipped to the workers; also a TypeError
     ├── ModelChangedError      the master changed in a way the replicas cannot follow; also a RuntimeError
     ├── GatherError            replicas returned outputs that cannot be gathered; also a RuntimeError
     ├── DpoolValueError        a bad argument or input value; also a ValueError
     ├── DpoolTypeError         an argument or input of a type dpool cannot take; also a TypeError
     ├── ProtocolError          a malformed, oversized or foreign message
-    │   └── AuthError          a message failed authentication
+    │   └── AuthError          a message failed authentication; at attach, a key the daemon rejects
+    │                          (then also a TimeoutError)
     └── SharedMemoryError      shared memory could not be allocated
 
 Every error of dpool's own is a :class:`DpoolError` and, where Python has a builtin
@@ -50,6 +54,7 @@ __all__ = [
     "CollectiveDesyncError",
     "UnsupportedError",
     "PoolNotFoundError",
+    "PoolPermissionError",
     "UnpicklableModelError",
     "ModelChangedError",
     "GatherError",
@@ -147,7 +152,15 @@ class WorkerTimeoutError(DpoolError):
 
 
 class WorkerStartError(DpoolError):
-    """A worker could not start, connect or load the model during ``wrap()``."""
+    """A worker could not start, connect or load the model during ``wrap()`` (or a restart).
+
+    Attributes:
+        workers (list[int]): the workers that failed to start, where known (a restart starts them again).
+    """
+
+    def __init__(self, message: str, *, workers: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.workers = list(workers or [])
 
 
 class DaemonLostError(DpoolError):
@@ -213,6 +226,11 @@ class PoolNotFoundError(DpoolError, FileNotFoundError):
     """No ``dpool-workers`` pool of that name is running (``pool=`` or ``DPOOL_POOL``)."""
 
 
+class PoolPermissionError(DpoolError, PermissionError):
+    """A pool cannot be used by this user: its runtime directory, pool directory or key file belongs to another
+    user or is open to group or others. The message names the path and what to do."""
+
+
 class UnpicklableModelError(DpoolError, TypeError):
     """The model cannot be pickled to ship it to the workers; raised before any worker starts."""
 
@@ -240,7 +258,12 @@ class ProtocolError(DpoolError):
 
 
 class AuthError(ProtocolError):
-    """A control message failed authentication; nothing in it was decoded."""
+    """A control message failed authentication; nothing in it was decoded. Raised to a client whose key the
+    daemon rejected, naming the key file (that error is also a :class:`TimeoutError`: it used to be one)."""
+
+
+class KeyRejectedError(AuthError, TimeoutError):
+    """The daemon of a pool rejected this client's key (see :class:`AuthError`)."""
 
 
 class SharedMemoryError(DpoolError, OSError):

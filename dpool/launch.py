@@ -403,7 +403,7 @@ class Spawn(Launcher):
         if tail:
             text += "\n--- last stderr of worker %d ---\n%s" % (w.index, tail[-4000:])
         if stage == "starting":
-            return WorkerStartError(text)
+            return WorkerStartError(text, workers=[w.index] + [o.index for o in others])
         return WorkerDiedError(
             text, worker=w.index, device=w.device, pid=w.pid, step=pool.step,
             exitcode=rc if rc is not None and rc >= 0 else None, signal_name=sig,

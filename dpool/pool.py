@@ -358,10 +358,9 @@ class Pool:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 idx = min(waiting)
-                raise WorkerStartError(
-                    f"{self.workers[idx].where()} did not connect within startup_timeout="
-                    f"{self.config.startup_timeout_s:g}s; raise DPOOL_STARTUP_TIMEOUT on a slow machine"
-                )
+                raise WorkerStartError(f"{self.workers[idx].where()} did not connect within startup_timeout="
+                                       f"{self.config.startup_timeout_s:g}s; raise DPOOL_STARTUP_TIMEOUT on a slow "
+                                       "machine", workers=sorted(waiting))
             events = dict(self._poller.poll(int(min(remaining, 0.5) * 1000) + 1))
             self._check_exits(events, stage="starting")
             if self.chan.sock in events:

@@ -90,6 +90,8 @@ __all__ = [
     "Serve",
     "ServeDone",
     "EndServe",
+    "Challenge",
+    "ChallengeDone",
     "Attach",
     "AttachDone",
     "Detach",
@@ -107,7 +109,8 @@ __all__ = [
     "values_of",
 ]
 
-PROTOCOL_VERSION = 15  # 15: backward of call HELD_ONLY (the no_sync() gradients of a worker without a shard)
+PROTOCOL_VERSION = 16  # 16: every request to a daemon carries the challenge it was given (challenge)
+# 15: backward of call HELD_ONLY (the no_sync() gradients of a worker without a shard)
 # 14: forward_criterion (a deferred forward and its loss in one request)
 # 13: end_serve (the daemon ends a serving worker's session when its client detaches);
 # detach names the lease by its attach nonce
@@ -679,8 +682,23 @@ class EndServe(Message):
     client_pid: int
 
 
+@_message("challenge")
+class Challenge(Message):
+    """Client → daemon, on a new connection: give me a challenge for my request.
+
+    Every request to a daemon (attach, detach, status, stop) carries the challenge its connection was
+    given, which the daemon accepts once, from that connection, for a short while: a recorded request
+    replayed later, or from another connection, is dropped unanswered (and counted in the daemon's log).
+    """
+
+
+@_message("challenge_done", challenge=_BYTES)
+class ChallengeDone(Message):
+    challenge: bytes
+
+
 @_message("attach", pid=_INT, endpoint=_STR, nonce=_BYTES, control=_LIST, protocol=_INT,
-          max_message_bytes=_INT)
+          max_message_bytes=_INT, challenge=_BYTES)
 class Attach(Message):
     """Client → daemon: lend me the workers, and have them connect to ``endpoint``.
 
@@ -695,6 +713,7 @@ class Attach(Message):
     control: list
     protocol: int
     max_message_bytes: int
+    challenge: bytes = b""  # (see Challenge; filled in by dpool.daemon_client.request)
 
 
 @_message("attach_done", ok=_BOOL, workers=_LIST, error=_STR, threads=_INT, daemon_pid=_INT)
@@ -720,7 +739,7 @@ def session_key(pool_key: bytes, nonce: bytes) -> bytes:
     return hmac.digest(pool_key, b"dpool session key\x00" + nonce, "sha256")
 
 
-@_message("detach", pid=_INT, nonce=_BYTES)
+@_message("detach", pid=_INT, nonce=_BYTES, challenge=_BYTES)
 class Detach(Message):
     """Client → daemon: the session of client ``pid`` that its attach with ``nonce`` began is over (its
     workers were told to end it, if it knew them). The nonce names the lease: a second ``wrap()`` of
@@ -728,6 +747,7 @@ class Detach(Message):
 
     pid: int
     nonce: bytes
+    challenge: bytes = b""
 
 
 @_message("detach_done")
@@ -735,9 +755,11 @@ class DetachDone(Message):
     pass
 
 
-@_message("status")
+@_message("status", challenge=_BYTES)
 class Status(Message):
     """Anyone holding the pool key → daemon: what are your workers doing?"""
+
+    challenge: bytes = b""
 
 
 @_message("status_done", info=(dict,))
@@ -745,9 +767,11 @@ class StatusDone(Message):
     info: dict
 
 
-@_message("stop")
+@_message("stop", challenge=_BYTES)
 class Stop(Message):
     """→ daemon: stop the workers and exit."""
+
+    challenge: bytes = b""
 
 
 @_message("stop_done")
@@ -794,7 +818,8 @@ MESSAGES: dict[str, type[Message]] = {
         Boot, Hello, Init, InitDone, Forward, ForwardDone, Fetch, FetchDone, Backward, BackwardDone, FetchSparse,
         FetchSparseDone, Criterion, CriterionDone, ForwardCriterion, ForwardCriterionDone, Inspect, InspectDone, Call,
         CallDone, AllReduce, AllReduceDone, BucketReady,
-        Shutdown, Failed, Output, Serve, ServeDone, EndServe, Attach, AttachDone, Detach, DetachDone, Status, StatusDone, Stop,
+        Shutdown, Failed, Output, Serve, ServeDone, EndServe, Challenge, ChallengeDone, Attach, AttachDone, Detach,
+        DetachDone, Status, StatusDone, Stop,
         StopDone,
     )
 }

@@ -213,14 +213,15 @@ def test_tcp_listener_only_when_asked_on_loopback_and_authenticated(tcp_pool, tm
                                                         TRAIN.format(kw=f", pool={endpoint!r}")],
                                                        env={"DPOOL_KEY_FILE": key_file}))
     assert over_tcp == embedded
-    # No key: a clear error before anything is sent. A wrong key: the daemon never answers. (Side by side too.)
+    # No key: a clear error before anything is sent. A wrong key: nothing decoded, and the client is told
+    # the key was rejected (dpool.AuthError), naming the key file. (Side by side too.)
     wrong = tmp_path / "wrong.key"
     wrong.write_bytes(os.urandom(32))
     wrong.chmod(0o600)
     attempt = f"import os\nos.environ['DPOOL_KEY_FILE'] = {{key!r}}\nimport dpool, torch\ndpool.wrap(torch.nn.Linear(2, 2), pool={endpoint!r})"
     no_key, wrong_key = run_scripts([attempt.format(key=""), attempt.format(key=str(wrong))])
     assert no_key.returncode != 0 and "DPOOL_KEY_FILE" in no_key.stderr
-    assert wrong_key.returncode != 0 and "did not answer" in wrong_key.stderr and "DPOOL_KEY_FILE" in wrong_key.stderr
+    assert wrong_key.returncode != 0 and "KeyRejectedError" in wrong_key.stderr and str(wrong) in wrong_key.stderr
     assert status(name)["client_pid"] is None
 
 
@@ -445,7 +446,11 @@ def test_foreign_key_is_rejected_before_decoding_and_unserved_ops_get_an_error(p
     wrong = P.Codec(b"w" * 32)
     s.send(wrong.encode(P.Call(pickle.dumps(Canary())), 1))  # wrong key
     s.send(b"\x00" * 32 + pickle.dumps(Canary()))  # no key at all
-    assert not s.poll(500), "the daemon answered an unauthenticated peer"
+    from dpool.channel import KEY_REJECTED
+
+    # nothing decoded; the only answer is the constant that says the key was wrong, once per connection
+    assert s.poll(2000) and s.recv_multipart() == [KEY_REJECTED]
+    assert not s.poll(500), "the daemon answered an unauthenticated peer with more than the key's rejection"
     s.close()
     ctx.term()
     assert not canary.exists()

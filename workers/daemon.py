@@ -32,6 +32,7 @@ watchdog polls its pidfd) → an attached client sees its workers die and raises
 """
 from __future__ import annotations
 
+import collections
 import fcntl
 import json
 import logging
@@ -42,9 +43,19 @@ import signal
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from typing import Any
 
-from dpool.daemon_client import POOL_FILES, pool_dir
+import zmq
+
+import dpool
+from dpool import protocol as P
+from dpool.channel import KEY_REJECTED, Channel
+from dpool.config import Config
+from dpool.daemon_client import POOL_FILES, pool_dir, runtime_dir
+from dpool.errors import AuthError
+from dpool.launch import join_or_kill, start_worker, visible_device
+from dpool.sweep import sweep, sweep_sockets
 
 __all__ = ["Daemon", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_NOT_RUNNING", "EXIT_ALREADY_RUNNING"]
 
@@ -70,8 +81,6 @@ def _log_output(label: str, line: str, to_stderr: bool) -> None:
 # ---------------------------------------------------------------------------------------- daemon
 class _W:
     def __init__(self, index: int, device: str) -> None:
-        from dpool.launch import visible_device
-
         self.index, self.device = index, device
         # a GPU worker's CUDA_VISIBLE_DEVICES entry: clients translate it into their own numbering
         self.visible = visible_device(int(device.split(":")[1])) if device.startswith("cuda") else None
@@ -88,14 +97,38 @@ class _W:
         return b"w%d.%d" % (self.index, self.generation)
 
 
+class Challenges:
+    """The challenges given to client connections: each is accepted once, from the connection it was given to,
+    within :attr:`TTL` seconds (see :class:`dpool.protocol.Challenge`). At most :attr:`KEEP` are outstanding;
+    the oldest go first."""
+
+    TTL = 30.0
+    KEEP = 256
+
+    def __init__(self) -> None:
+        self._given: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
+
+    def give(self, peer: bytes) -> bytes:
+        challenge = secrets.token_bytes(16)
+        self._given.pop(peer, None)
+        self._given[peer] = (challenge, time.monotonic() + self.TTL)
+        while len(self._given) > self.KEEP:
+            self._given.popitem(last=False)
+        return challenge
+
+    def take(self, peer: bytes, challenge: Any) -> bool:
+        """Whether ``challenge`` is the one ``peer`` was given, unused and in time; it is used up either way."""
+        given = self._given.pop(peer, None)
+        return (given is not None and isinstance(challenge, bytes) and secrets.compare_digest(given[0], challenge)
+                and time.monotonic() <= given[1])
+
+
+# the requests a client makes of a daemon; each must carry its connection's challenge
+_REQUESTS = (P.Attach, P.Detach, P.Status, P.Stop)
+
+
 class Daemon:
     def __init__(self, name: str, devices: list[str], threads: int, listen: str | None = None) -> None:
-        import zmq
-
-        from dpool.channel import Channel
-        from dpool.config import Config
-        from dpool.sweep import sweep
-
         _log_to_stderr()
         self.name, self.devices, self.threads = name, devices, threads
         self.dir = pool_dir(name, create=True)
@@ -116,8 +149,10 @@ class Daemon:
         os.write(fd, self.key)
         os.close(fd)
         self.ctx = zmq.Context()
-        self.chan = Channel(self.ctx, True, self.key, 1 << 20,
-                            on_reject=lambda peer, exc: log.warning("rejected a message from %r: %s", peer, exc))
+        self.challenges = Challenges()
+        self.dropped = 0  # replayed or re-routed requests dropped so far
+        self._told_rejected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.chan = Channel(self.ctx, True, self.key, 1 << 20, on_reject=self._rejected)
         self.sock = self.chan.sock
         self.sock_path = os.path.join(self.dir, "daemon.sock")
         self.endpoint = "ipc://" + self.sock_path
@@ -150,11 +185,21 @@ class Daemon:
         self.steps_map = mmap.mmap(self.steps_fd, 8 * max(1, len(devices)))
         self.steps = memoryview(self.steps_map).cast("q")
 
+    def _rejected(self, peer: bytes, exc: Exception) -> None:
+        """A frame that failed a check: logged; a peer whose key is wrong is told so once (a constant, which
+        says nothing but that: see :data:`dpool.channel.KEY_REJECTED`), so that its client can say so."""
+        log.warning("rejected a message from %r: %s", peer, exc)
+        if isinstance(exc, AuthError) and peer and peer not in self._told_rejected:
+            self._told_rejected[peer] = None
+            while len(self._told_rejected) > Challenges.KEEP:
+                self._told_rejected.popitem(last=False)
+            try:
+                self.sock.send_multipart([peer, KEY_REJECTED], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
     # ------------------------------------------------------------------ workers
     def spawn(self, w: _W) -> None:
-        from dpool import protocol as P
-        from dpool.launch import start_worker
-
         w.generation += 1
         w.steps += self.steps[w.index]  # a respawned worker counts from zero in its slot
         self.steps[w.index] = 0
@@ -171,10 +216,6 @@ class Daemon:
         self.chan.try_send(msg, ident)  # a client that left no longer needs the answer
 
     def write_state(self, stopping: bool = False) -> None:
-        from importlib.metadata import version
-
-        import dpool
-
         state = {"name": self.name, "pid": os.getpid(), "endpoint": self.endpoint, "listen": self.tcp_endpoint,
                  "devices": self.devices, "visible": [w.visible for w in self.workers],
                  "threads": self.threads, "dpool": dpool.__version__, "torch": version("torch"),
@@ -227,8 +268,6 @@ class Daemon:
         os._exit(rc)
 
     def drain(self) -> None:
-        from dpool import protocol as P
-
         for ident, msg in self.chan.drain():  # authenticated before anything is decoded
             w = next((w for w in self.workers if w.ident == ident), None)
             if w is not None:
@@ -237,6 +276,14 @@ class Daemon:
                 elif isinstance(msg, P.ServeDone):
                     w.state = "idle"
                     log.info("worker %d detached (%s; %d steps)", w.index, msg.reason, msg.steps)
+                continue
+            if isinstance(msg, P.Challenge):
+                self.send(ident, P.ChallengeDone(self.challenges.give(ident)))
+                continue
+            if isinstance(msg, _REQUESTS) and not self.challenges.take(ident, msg.challenge):
+                self.dropped += 1  # recorded and sent again, or from another connection: no effect, no answer
+                log.warning("dropped a %s request without its connection's challenge from %r (replayed or "
+                            "re-routed; %d so far)", msg.op, ident, self.dropped)
                 continue
             if isinstance(msg, P.Attach):
                 self.attach(ident, msg)
@@ -256,8 +303,6 @@ class Daemon:
                                           f"(it serves attach, detach, status and stop)", ""))
 
     def attach(self, ident: bytes, msg: Any) -> None:
-        from dpool import protocol as P
-
         def refuse(why: str) -> None:
             self.send(ident, P.AttachDone(False, [], why, self.threads, os.getpid()))
 
@@ -268,6 +313,9 @@ class Daemon:
                           f"(wait for it to finish, or start another pool with dpool-workers start --name OTHER)")
         if not all(w.state == "idle" for w in self.workers):
             return refuse("busy: the workers are still starting or releasing the previous client; retry")
+        if not self._control_exists(msg.control):
+            return refuse(f"the client's control segment {msg.control!r} does not exist in {self.config.shm_dir} "
+                          "(a stale attach, or a client that shares no /dev/shm with this pool)")
         try:
             self.client_fd = os.pidfd_open(msg.pid)
         except ProcessLookupError:
@@ -291,10 +339,22 @@ class Daemon:
         self.send(ident, P.AttachDone(True, out, "", self.threads, os.getpid()))
         log.info("client %d attached", msg.pid)
 
+    def _control_exists(self, ref: Any) -> bool:
+        """Whether the control segment an attach names is there for the workers to map (a plain name in the
+        shared-memory directory)."""
+        if not (isinstance(ref, list) and len(ref) == 2 and isinstance(ref[0], str) and isinstance(ref[1], int)):
+            return False
+        name = ref[0]
+        if not name or "/" in name or name.startswith("."):
+            return False
+        try:
+            return os.stat(os.path.join(self.config.shm_dir, name)).st_size >= ref[1] > 0
+        except OSError:
+            return False
+
     def release(self) -> None:
         """Free the lease: the client detached or died. Its serving workers end its session (a worker
         watches a dead client itself, but not one that detached before it was told their names)."""
-        from dpool import protocol as P
 
         if self.client is not None:
             for w in self.workers:
@@ -312,15 +372,12 @@ class Daemon:
         A client SIGKILLed while attaching, or while it grows a segment, leaves names no worker
         knew of; nobody else would remove them until the next ``wrap()``.
         """
-        from dpool.daemon_client import runtime_dir
-        from dpool.sweep import sweep, sweep_sockets
-
         self.next_sweep = time.monotonic() + 1.0
         for name in sweep(self.config.shm_dir) + sweep_sockets(runtime_dir()):
             log.info("removed %s (its owner died)", name)
 
     def status(self) -> dict:
-        import psutil
+        import psutil  # (only here: its import would slow every dpool-workers command)
 
         rows = []
         for w in self.workers:
@@ -332,13 +389,11 @@ class Daemon:
             rows.append({"index": w.index, "device": w.device, "visible": w.visible, "pid": pid, "state": w.state, "rss_bytes": rss,
                          "uptime_s": round(time.time() - w.started, 1), "restarts": w.restarts})
         return {"name": self.name, "pid": os.getpid(), "client_pid": self.client, "listen": self.tcp_endpoint,
+                "requests_dropped": self.dropped,
                 "steps_served": sum(w.steps + self.steps[w.index] for w in self.workers) // max(1, len(self.workers)),
                 "workers": rows}
 
     def shutdown(self) -> int:
-        from dpool import protocol as P
-        from dpool.launch import join_or_kill
-
         if self.client is not None:
             # A client is attached: say so in the state file *before* its workers go, so that the
             # client reports DaemonLostError (not a restartable worker death), then end them now: a serving

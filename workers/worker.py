@@ -197,7 +197,13 @@ def _daemon_loop(ctx: Any, boot: Any, beat: _Beat, known: set[str]) -> None:
             break
         if not isinstance(msg, P.Serve):
             continue
-        control = attach(boot.shm_dir, msg.control)
+        try:
+            control = attach(boot.shm_dir, msg.control)
+            if control.size < 8 * (index + 1):
+                raise ValueError(f"it has {control.size} bytes, fewer than this worker's heartbeat slot needs")
+        except (OSError, ValueError, TypeError, IndexError) as exc:  # nothing a client sends may end a worker
+            daemon.send(P.ServeDone(0, f"refused: cannot map the client's control segment ({exc})"))
+            continue
         beat.target(control.u8[: 8 * (index + 1)].view(torch.int64)[index:])
         session = dataclasses.replace(boot, key=msg.key, endpoint=msg.endpoint, ident=msg.ident,
                                       max_message_bytes=msg.max_message_bytes)

@@ -222,7 +222,9 @@ class Forwards:
 
     def _reserve(self, f: Planned) -> list[tuple[list, int]]:
         """Each shard's layout in its input segment; the space all shards' new segments need is checked
-        before any is made."""
+        before any is made. Only what this call really adds counts: the input spans of calls whose graphs
+        are gone are freed first (they are told to the workers with this call's request, or the next)."""
+        self.graphs.collect(self.io.release, take=False)
         layouts = [reserve(f.shards[s]) for s in range(f.k)]
         grow = sum(self.io.input_growth(s, need) for s, (_, need) in enumerate(layouts))
         if grow and not self.setup.cuda:

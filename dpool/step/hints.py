@@ -11,7 +11,7 @@ from .. import protocol as P
 from ..gpu import memory_report
 
 __all__ = ["amend", "names", "worker_failure", "restarted", "restart_failed", "broken", "lost_held", "cut_restart",
-           "finish_failed", "lost_context"]
+           "finish_failed", "lost_context", "restart_goes_on"]
 
 _NO_LOSS = "the master module is unchanged (dpool.unwrap(model) returns it)"
 
@@ -75,6 +75,11 @@ def restart_failed(again: BaseException) -> str:
 def broken() -> str:
     return (" The pool is broken; the master module is unchanged (dpool.unwrap(model) returns it; pass "
             "max_restarts=K to dpool.wrap to respawn workers instead).")
+
+
+def restart_goes_on(dead: list[int], left: int) -> str:
+    return (f" Restarting worker(s) {dead} failed again and again (faults keep coming; {left} restart(s) left): "
+            "the next call goes on with the restart; the master module is unchanged.")
 
 
 def cut_restart(dead: list[int], first_line: str) -> str:

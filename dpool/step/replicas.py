@@ -169,8 +169,9 @@ class ReplicaSet:
             return arena.ref() if arena is not None else region.ref(self.pool.workers[i])
         return region.ref() if by_name else region.fd_ref()
 
-    def init_workers(self, indices: Any, call: Call, by_name: bool = False) -> None:
-        """Ship the model to ``indices`` and wait until their replicas are built."""
+    def init_workers(self, indices: Any, call: Call, by_name: bool = False, restarting: bool = False) -> None:
+        """Ship the model to ``indices`` and wait until their replicas are built. A worker that dies or hangs
+        meanwhile breaks the pool, unless ``restarting`` (the restart policy then decides)."""
         pool, layout, master = self.pool, self.layout, self.master
         assert self.reducer is not None
         pl = Layout.wire(master.params, layout.param_offsets, True)
@@ -187,6 +188,8 @@ class ReplicaSet:
             # startup_timeout_s bounds this round, not heartbeats (why: Pool.request)
             replies = pool.request(msgs, "loading the model", loading=True)
         except (WorkerDiedError, WorkerTimeoutError) as exc:
+            if restarting:
+                raise
             pool.break_pool(str(exc))
             raise WorkerStartError(f"{exc}\nThe worker failed while unpickling the model; no pool was started.") from None
         for i, r in sorted(replies.items()):
@@ -217,7 +220,7 @@ class ReplicaSet:
             self.io.reset(i)  # (a new process: its I/O segments are made anew)
         self.state.sent_flags = None  # a new process starts with torch's default numerics settings
         self.state.sent_numerics = None
-        self.init_workers(indices, call)
+        self.init_workers(indices, call, restarting=True)
         self.state.restarting = None
 
     def _follow_patches(self, indices: Any, call: Call) -> None:

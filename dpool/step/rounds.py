@@ -13,7 +13,7 @@ import cloudpickle
 
 from .. import protocol as P
 from ..bridge import Graphs
-from ..errors import PoolBrokenError, WorkerDiedError, WorkerTimeoutError, remote_error
+from ..errors import PoolBrokenError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
 from ..pool import Pool
 from ..regions import IORegions
 from ..replicate import Master
@@ -25,6 +25,18 @@ from .state import Setup, StepState
 __all__ = ["Rounds"]
 
 log = logging.getLogger("dpool")
+
+# How many times one call tries a restart that faults keep cutting short before it raises; the restart goes on at
+# the next call (a call's wait stays bounded while faults come faster than workers start).
+RESTART_TRIES = 3
+
+
+class _RestartGoesOn(Exception):
+    """Faults kept cutting a restart short: the next call goes on with it. ``fault``: the latest one."""
+
+    def __init__(self, fault: BaseException) -> None:
+        super().__init__(str(fault))
+        self.fault = fault
 
 
 class Rounds:
@@ -97,6 +109,9 @@ class Rounds:
             state.restarts_left -= len(dead)
             try:
                 self._restart_after(exc, dead)
+            except _RestartGoesOn as later:
+                hints.amend(exc, hints.restart_goes_on(state.restarting or dead, state.restarts_left))
+                raise exc from later.fault
             except Exception as again:
                 pool.break_pool(str(again))
                 hints.amend(exc, hints.restart_failed(again))
@@ -117,9 +132,42 @@ class Rounds:
         log.warning("%s; restarting worker(s) %s (%d restart(s) left)", str(exc).split("\n", 1)[0], dead,
                     state.restarts_left)
         lost = hints.lost_held() if state.workers_hold else ""  # (ReplicaSet.restart says so to the markers)
-        self.replicas.restart(dead, self.call)
+        dead = self._restart(dead)
         exc.restarted = True  # type: ignore[union-attr]
         hints.amend(exc, hints.restarted(dead, state.restarts_left, lost))
+
+    def _restart(self, dead: list[int]) -> list[int]:
+        """Restart the workers ``dead``, and those that fail while it runs (another worker dies, a new one is
+        killed while it starts, or hangs), while restarts are left: each failure costs a restart per worker.
+        Returns every worker restarted."""
+        state = self.state
+        for attempt in range(1, RESTART_TRIES + 1):
+            try:
+                self.replicas.restart(dead, self._call_once)
+                return dead
+            except (WorkerDiedError, WorkerTimeoutError, WorkerStartError) as again:
+                failed = list(getattr(again, "workers", None) or ([getattr(again, "worker")] if getattr(again, "worker", -1) >= 0
+                                                                   else []))
+                if not failed or state.restarts_left < len(failed):
+                    raise
+                state.restarts_left -= len(failed)
+                self.stats.restarts += len(failed)
+                dead = sorted(set(dead) | set(failed))
+                state.restarting = dead
+                log.warning("%s, while restarting; restarting worker(s) %s (%d restart(s) left)",
+                            str(again).split("\n", 1)[0], dead, state.restarts_left)
+                if attempt == RESTART_TRIES:
+                    raise _RestartGoesOn(again) from again
+        raise AssertionError("unreachable")
+
+    def _call_once(self, indices: Any, fn: Any) -> dict[int, Any]:
+        """:meth:`call` without the restart policy: a restart's own rounds (a failure there restarts the
+        restart, see :meth:`_restart`)."""
+        payload = cloudpickle.dumps(fn)
+        replies = self._lost_contexts(self.pool.request({i: P.Call(fn=payload) for i in indices},
+                                                        "running a function"))
+        self.raise_failures(replies, "worker_states")
+        return {i: cloudpickle.loads(replies[i].result) for i in indices}
 
     def _lost_contexts(self, replies: dict[int, Any]) -> dict[int, Any]:
         """Raise :class:`WorkerDiedError` for workers whose CUDA context a sticky error destroyed (they exit)."""
@@ -139,9 +187,13 @@ class Rounds:
         self.pool.check_usable()
         dead = self.state.restarting
         if dead is not None:
-            log.warning("finishing the restart of worker(s) %s that a Ctrl-C interrupted", dead)
+            log.warning("finishing the restart of worker(s) %s that an earlier call left unfinished", dead)
             try:
-                self.replicas.restart(dead, self.call)
+                self._restart(dead)
+            except _RestartGoesOn as later:  # faults go on: so does the restart, at the next call
+                fault = later.fault
+                hints.amend(fault, hints.restart_goes_on(self.state.restarting or dead, self.state.restarts_left))
+                raise fault from None
             except Exception as exc:
                 self.state.restarting = None  # (nothing left to finish: the pool is broken)
                 self.pool.break_pool(f"restarting worker(s) {dead} failed: {exc!r}")
