@@ -19,13 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
-from dpool.daemon_client import POOL_FILES, lock_held, pool_dir, read_pool, request
+from importlib.metadata import PackageNotFoundError, version
+
+import dpool
+from dpool import protocol as P
+from dpool.cpus import physical_cores
+from dpool.daemon_client import POOL_FILES, lock_held, pool_dir, read_pool, request, runtime_dir
+from dpool.launch import worker_command
 
 from .daemon import EXIT_ALREADY_RUNNING, EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_OK, EXIT_USAGE, Daemon
 
@@ -61,7 +68,7 @@ def cmd_start(a: argparse.Namespace) -> int:
     try:  # wrap()'s rules (dpool.devices), before anything is created
         devices = _devices(a.device_ids)
         if any(d != "cpu" for d in devices):
-            from dpool.devices import check_devices
+            from dpool.devices import check_devices  # (imports torch: only for GPU pools)
 
             check_devices(devices)
     except (ValueError, TypeError) as exc:  # DpoolValueError, DpoolTypeError
@@ -77,8 +84,6 @@ def cmd_start(a: argparse.Namespace) -> int:
         print(f"dpool-workers: a pool named {a.name!r} is already running (pid {pid}); "
               f"stop it with: dpool-workers stop --name {a.name}", file=sys.stderr)
         return EXIT_ALREADY_RUNNING
-    from dpool.cpus import physical_cores
-
     threads = a.threads or max(1, physical_cores() // len(devices))
     for stale in ("state.json", "daemon.sock", "key"):  # a crashed daemon's leftovers (no daemon holds the lock)
         try:
@@ -87,8 +92,6 @@ def cmd_start(a: argparse.Namespace) -> int:
             pass
     if a.foreground:
         return Daemon(a.name, devices, threads, listen).run()
-    from dpool.launch import worker_command
-
     log = open(os.path.join(path, "daemon.log"), "ab")
     extra = ["--listen", a.listen] if a.listen is not None else []
     proc = subprocess.Popen([*worker_command("cli"), "start", "--name", a.name, "--device-ids",
@@ -129,20 +132,14 @@ def _state_pid(path: str) -> int:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("dpool")
     except PackageNotFoundError:  # a source checkout used without installing it
-        import dpool
-
         return dpool.__version__
 
 
 def running_pools() -> list[str]:
     """Names of this user's pools whose daemon is alive (holds the pool's lock)."""
-    from dpool.daemon_client import runtime_dir
-
     base = os.path.join(runtime_dir(), "pools")
     try:
         names = sorted(os.listdir(base))
@@ -152,8 +149,6 @@ def running_pools() -> list[str]:
 
 
 def cmd_list(a: argparse.Namespace) -> int:
-    from dpool import protocol as P
-
     rows = []
     for name in running_pools():
         row: dict[str, Any] = {"name": name, "devices": [], "state": "unresponsive", "client_pid": None,
@@ -181,8 +176,6 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from dpool import protocol as P
-
     try:
         reply = request(a.name, P.Status(), timeout=a.timeout)
     except FileNotFoundError as exc:
@@ -207,8 +200,6 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def cmd_stop(a: argparse.Namespace) -> int:
-    from dpool import protocol as P
-
     path = pool_dir(a.name)
     try:
         state, _ = read_pool(a.name)
@@ -220,8 +211,6 @@ def cmd_stop(a: argparse.Namespace) -> int:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return EXIT_NOT_RUNNING
-    import select
-
     try:
         try:
             request(a.name, P.Stop(), timeout=min(2.0, a.timeout))

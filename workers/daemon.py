@@ -26,7 +26,10 @@ sends its serving workers ``end_serve``: a client cut short while attaching neve
 names), or when the client process dies: each worker watches the client's pidfd, drops the replica
 and its memory, and reports ``serve_done``; the daemon watches the client's pidfd too and frees the
 lease. A worker
-that dies is respawned and counted in ``status``. The daemon dies → its workers exit (their
+that dies is respawned and counted in ``status``; one still serving :data:`RELEASE_GRACE_S` after its
+client left, or still starting past the startup timeout (frozen, hung), is killed and respawned. Every
+client request carries the challenge its connection was given (:class:`dpool.protocol.Challenge`):
+a recorded request sent again has no effect and gets no answer. The daemon dies → its workers exit (their
 watchdog polls its pidfd) → an attached client sees its workers die and raises
 ``DaemonLostError``. A crashed daemon's leftovers are removed by the next ``start``.
 """
@@ -60,6 +63,9 @@ from dpool.sweep import sweep, sweep_sockets
 __all__ = ["Daemon", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_NOT_RUNNING", "EXIT_ALREADY_RUNNING"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_ALREADY_RUNNING = 0, 1, 2, 3, 4
+
+# A worker still serving this long after its client left is frozen or hung (SIGSTOP, a deadlock): it is replaced.
+RELEASE_GRACE_S = 5.0
 
 log = logging.getLogger("dpool.daemon")
 
@@ -175,6 +181,7 @@ class Daemon:
         self.client_nonce = b""  # the attach nonce of the client's lease: its detach must name it
         self.client_fd = -1
         self.attached_at = 0.0
+        self.released_at = 0.0
         self.stopping = False
         self.started_at = time.time()
         self.next_sweep = 0.0
@@ -252,6 +259,7 @@ class Daemon:
                 self.release()
             if events.get(self.sock):
                 self.drain()
+            self._replace_stuck()
             if time.monotonic() >= self.next_sweep:
                 self.sweep()
             if not ready_written and all(w.state == "idle" for w in self.workers):
@@ -266,6 +274,22 @@ class Daemon:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)
+
+    def _replace_stuck(self) -> None:
+        """Kill a worker still busy :data:`RELEASE_GRACE_S` after its client left, or starting for longer than
+        the startup timeout (frozen by SIGSTOP, or hung): its exit makes the loop respawn it, so the pool stays
+        usable for the next client."""
+        for w in self.workers:
+            if w.proc is None or w.proc.poll() is not None:
+                continue
+            late = ((w.state == "busy" and self.client is None
+                     and time.monotonic() - self.released_at > RELEASE_GRACE_S)
+                    or (w.state == "starting" and time.time() - w.started > self.config.startup_timeout_s))
+            if late:
+                log.warning("worker %d (pid %d) is still %s long after it should have finished (frozen or hung); "
+                            "replacing it", w.index, w.proc.pid, "serving" if w.state == "busy" else "starting")
+                w.proc.kill()  # (SIGKILL ends a stopped process too)
+                w.state = "replaced"  # its pidfd fires next, and the loop respawns it
 
     def drain(self) -> None:
         for ident, msg in self.chan.drain():  # authenticated before anything is decoded
@@ -364,6 +388,7 @@ class Daemon:
             self.poller.unregister(self.client_fd)
             os.close(self.client_fd)
         self.client, self.client_fd = None, -1
+        self.released_at = time.monotonic()
         self.sweep()
 
     def sweep(self) -> None:
