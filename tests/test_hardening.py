@@ -280,6 +280,11 @@ class Relay:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.endpoint.startswith("ipc://"):  # (libzmq leaves a bound ipc socket's file behind)
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except FileNotFoundError:
+                pass
 
 
 def _replay(ctx, daemon: str, frames: list[bytes], wait_ms: int = 1500) -> list[bytes]:
