@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 from dpool import knobs, protocol as P  # torch-free
@@ -123,8 +124,6 @@ def main() -> None:
         pass
 
     if boot.device.startswith("cuda"):
-        import warnings
-
         # Our backward runs on autograd's device thread, whose first cuBLAS call finds no current
         # context and makes the primary one current itself; the warning it prints says nothing the
         # user can act on (it would reach the coordinator's stderr once per worker).
