@@ -36,14 +36,16 @@ from .errors import (
 # The training API imports torch (~2 s); it loads on first use, so that `dpool-workers status` and
 # other tools that only need the errors, the config or the daemon client start at once.
 _LAZY = {
-    "DataParallel": "data_parallel", "wrap": "data_parallel", "unwrap": "data_parallel",
-    "is_wrapped": "data_parallel", "ShardedOutput": "loss", "criterion": "loss",
+    "DataParallel": "wrapper", "wrap": "wrapper", "unwrap": "wrapper",
+    "is_wrapped": "wrapper", "ShardedOutput": "loss", "criterion": "loss",
     "SyncBatchNorm": "sync_batchnorm", "convert_sync_batchnorm": "sync_batchnorm",
+    "data_parallel": "functional",
 }
 
 if TYPE_CHECKING:
     from .loss import ShardedOutput, criterion
-    from .data_parallel import DataParallel, is_wrapped, unwrap, wrap
+    from .functional import data_parallel
+    from .wrapper import DataParallel, is_wrapped, unwrap, wrap
     from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 
@@ -87,6 +89,7 @@ __all__ = [
     "unwrap",
     "is_wrapped",
     "DataParallel",
+    "data_parallel",
     "SyncBatchNorm",
     "ShardedOutput",
     "criterion",

@@ -6,8 +6,8 @@ and many research scripts do) changes what the model computes in its own process
 replicas too. dpool's workers are other processes: they import the library as it is on disk, and would
 silently compute with the unpatched code.
 
-:func:`code_refs` lists what the model's code reads when it runs: the attributes of every class in its
-modules' MROs (methods, properties, class constants), and the functions, classes and module attributes
+:func:`code_refs` lists what the model's code reads when it runs: the attributes of the classes in its
+modules' MROs (methods, properties, class constants) that the code it runs names, from ``forward`` on, and the functions, classes and module attributes
 those methods, and the functions they call, name as globals (two calls deep), and the entries of the
 mappings of functions they name as globals (a :class:`Registry`: HF's ``ALL_ATTENTION_FUNCTIONS``, to
 which ``AttentionInterface.register`` adds; an entry missing in the workers is sent too, as the config
@@ -96,28 +96,67 @@ def name_of(owner: Any, name: str) -> str:
     return f"{owner.__module__}.{owner.__qualname__}.{name}"
 
 
+def _inner_functions(fn: types.FunctionType) -> list[types.FunctionType]:
+    """The functions a decorated ``fn`` calls: its ``__wrapped__``, and the functions in its closure."""
+    found = [getattr(fn, "__wrapped__", None)]
+    for cell in fn.__closure__ or ():
+        try:
+            found.append(cell.cell_contents)
+        except ValueError:  # (an empty cell)
+            pass
+    return [f for f in found if isinstance(f, types.FunctionType)]
+
+
+# Where the model's code starts when it runs: a module's call path, and what unpickling a replica runs
+_ENTRIES = ("forward", "__call__", "_call_impl", "_wrapped_call_impl", "__getattr__", "__setstate__")
+
+
 def code_refs(model: torch.nn.Module) -> list[tuple[Any, str]]:
-    """``(owner, name)`` for what ``model``'s code reads at run time: a class or module, and an attribute."""
+    """``(owner, name)`` for what ``model``'s code reads at run time: a class or module, and an attribute.
+
+    A class attribute counts when the code that runs names it: the walk starts at :data:`_ENTRIES` and
+    follows the names each function uses, so that a method no forward reaches (``nn.Module.compile``, which
+    names ``torch.compile``, which Lightning replaces at import) is not followed.
+    """
     refs: dict[tuple[int, str], tuple[Any, str]] = {}
     classes = {id(c): c for m in model.modules() for c in type(m).__mro__ if c is not object}
-    todo: list[types.FunctionType] = []
+    attributes: dict[str, list[tuple[type, Any]]] = {}
     for cls in classes.values():
         for name, value in list(vars(cls).items()):
-            if name.startswith("__") and name not in ("__call__", "__getattr__", "__setstate__"):
+            if not name.startswith("__") or name in _ENTRIES:
+                attributes.setdefault(name, []).append((cls, value))
+    todo: list[types.FunctionType] = []
+    depth: dict[int, int] = {}
+    reached: set[str] = set()
+
+    def reach(names: Iterable[str]) -> None:
+        for name in names:
+            if name in reached or name not in attributes:
                 continue
-            functions = functions_of(value)
-            if (functions or isinstance(value, _CONSTANTS)) and _importable(cls):
-                refs[id(cls), name] = (cls, name)
-            todo += functions
+            reached.add(name)
+            for cls, value in attributes[name]:
+                functions = functions_of(value)
+                if (functions or isinstance(value, _CONSTANTS)) and _importable(cls):
+                    refs[id(cls), name] = (cls, name)
+                for f in functions:
+                    if id(f) not in depth:
+                        depth[id(f)] = 0
+                        todo.append(f)
+
+    reach(_ENTRIES)
     seen: set[int] = set()
-    depth = {id(f): 0 for f in todo}
     while todo and len(seen) < _MAX_FUNCTIONS:
         fn = todo.pop()
         if id(fn) in seen:
             continue
         seen.add(id(fn))
+        for inner in _inner_functions(fn):  # what a decorator wraps runs too
+            if id(inner) not in depth:
+                depth[id(inner)] = depth[id(fn)]
+                todo.append(inner)
         module = sys.modules.get(fn.__globals__.get("__name__", ""))
         names = code_names(fn.__code__)
+        reach(names)
         for name in names:
             value = fn.__globals__.get(name)
             if isinstance(value, types.ModuleType):  # `F.gelu`: the module's attributes this code names

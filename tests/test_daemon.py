@@ -625,7 +625,7 @@ def test_ctrl_c_anywhere_while_attaching_leaves_the_pool_free_for_the_next_wrap(
 CLOSE_CUT = """
 import gc, json, torch, dpool
 from torch import nn
-from dpool import attach, data_parallel, pool, replicate, step
+from dpool import attach, pool, replicate, step, wrapper
 from tests.conftest import dpool_segments, dpool_sockets, open_fds
 from tests.helpers import CtrlC
 
@@ -643,7 +643,7 @@ def make():
     return net, m
 
 
-fns = [data_parallel.DataParallel.close, step.Runtime.close, replicate.Master.close, pool.Pool.close,
+fns = [wrapper.DataParallel.close, step.Runtime.close, replicate.Master.close, pool.Pool.close,
        pool.Pool._close_sockets, attach.Lease.end, attach.Lease._give_back]
 net, m = make()
 positions = CtrlC.positions(fns, m.close)

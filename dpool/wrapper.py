@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import os
 import sys
 import threading
@@ -184,7 +185,7 @@ class DataParallel(nn.DataParallel):
         else:
             self._saved_threads = None
 
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Not traceable on purpose: a step talks to other processes. Under torch.compile(dpool.wrap(net))
         # the dispatch runs eagerly (a dynamo-disabled call) instead of breaking the graph, with a warning,
         # at every socket and file call; compile inside (dpool.wrap(torch.compile(net))) instead. Only
@@ -353,6 +354,37 @@ class DataParallel(nn.DataParallel):
         nodes = f", rank={self.rank}, world_size={self.world_size}" if self._nodes is not None else ""
         return f"device_ids={self.device_ids}, dim={self.dim}{nodes}"
 
+
+class _Forward:
+    """``model.forward`` of a dpool model: calls like ``nn.DataParallel``'s, and has the wrapped module's
+    signature, so that code which reads ``inspect.signature(model.forward)`` (HF Trainer keeps only the
+    dataset columns it names) sees the module's parameters, not ``(*inputs, **kwargs)``."""
+
+    __slots__ = ("_model",)
+
+    def __init__(self, model: "DataParallel") -> None:
+        self._model = model
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self._model._forward(*inputs, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._model.module.forward)
+
+    def __repr__(self) -> str:
+        return f"<dpool forward of {type(self._model.module).__name__}>"
+
+
+class _ForwardAttribute:
+    """The ``forward`` attribute of :class:`DataParallel`: a :class:`_Forward` per instance (a non-data
+    descriptor, so that a library may still assign ``model.forward``, as accelerate does for autocast)."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return DataParallel._forward if obj is None else _Forward(obj)
+
+
+DataParallel.forward = _ForwardAttribute()  # type: ignore[assignment,method-assign]
 
 _NOT_TRACED: Any = None
 
