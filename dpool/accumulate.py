@@ -284,8 +284,28 @@ def refuse_change(what: str) -> UnsupportedError:
         f"accumulation as an argument of forward().")
 
 
-def _refuse_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A global optimizer pre-hook: no step over parameters whose gradients the workers still hold."""
+def _refuse_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+    """A global optimizer pre-hook: no step over parameters whose gradients the workers still hold.
+
+    A step given a closure (``step(closure)``: Lightning's loop, LBFGS) runs the closure, whose backward
+    may bring the held gradients to ``.grad``, before it updates: the check then runs after the closure.
+    """
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # (args[0]: the optimizer)
+    if closure is None:
+        _check_step(optimizer)
+        return None
+
+    def checked() -> Any:
+        loss = closure()
+        _check_step(optimizer)
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": checked}
+    return (args[0], checked, *args[2:]), kwargs
+
+
+def _check_step(optimizer: torch.optim.Optimizer) -> None:
     for held in list(_holding):
         n = sum(id(p) in held._ids for group in optimizer.param_groups for p in group["params"])
         if n:

@@ -145,14 +145,35 @@ def _children(obj: Any) -> tuple[Any, Any, list[tuple[Any, Any]], str] | None:
     return None
 
 
+def unsent(module: torch.nn.Module) -> frozenset[str]:
+    """The attributes of ``module`` that pickling it does not send as they are: those its ``__getstate__``
+    drops or replaces (``nn.Module`` drops ``_compiled_call_impl``; a LightningModule sends ``_trainer`` as
+    ``None``). A replica never sees them, so their changes are not followed."""
+    d = module.__dict__
+    if type(module).__getstate__ is torch.nn.Module.__getstate__:
+        return _COMPILED if "_compiled_call_impl" in d else _NOTHING
+    try:
+        state = module.__getstate__()
+    except Exception:  # (pickling it will say what is wrong)
+        return _NOTHING
+    if not isinstance(state, dict):
+        return _NOTHING
+    return frozenset(k for k, v in d.items() if k not in state or state[k] is not v)
+
+
+_COMPILED = frozenset({"_compiled_call_impl"})
+_NOTHING: frozenset[str] = frozenset()
+
+
 def walk(modules: Sequence[torch.nn.Module], where: Sequence[str]) -> Held:
     """Walk what ``modules`` (every module of the model, named ``where``) hold, as the module docstring says."""
     held = Held()
     seen = {id(m) for m in modules}  # a registered submodule: its attributes are compared as a module's
     stack: list[tuple[str, Any, Any, Any, int]] = []
     for m, name in zip(reversed(modules), reversed(where)):
-        d = m.__dict__
-        stack.extend((f"{name}.{k}", d, k, v, 0) for k, v in reversed(d.items()) if k not in _MODULE_KEYS)
+        d, skip = m.__dict__, unsent(m)
+        stack.extend((f"{name}.{k}", d, k, v, 0) for k, v in reversed(d.items())
+                     if k not in _MODULE_KEYS and k not in skip)
     entries = 0
     while stack:
         name, holder, key, obj, depth = stack.pop()
@@ -211,8 +232,9 @@ def _module(held: Held, module: torch.nn.Module, name: str, depth: int, seen: se
             held.names.append(at)
         for d in (sub._parameters, sub._buffers):
             stack.extend((f"{at}.{k}", d, k, t, depth + 1) for k, t in d.items() if t is not None)
+        skip = unsent(sub)
         stack.extend((f"{at}.{k}", sub.__dict__, k, v, depth + 1) for k, v in sub.__dict__.items()
-                     if k not in _MODULE_KEYS)
+                     if k not in _MODULE_KEYS and k not in skip)
     return entries
 
 

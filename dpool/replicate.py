@@ -198,6 +198,19 @@ _SENT_EACH_FORWARD = frozenset({"training"})
 _MISSING = object()
 
 
+class _Sent:
+    """A live view of the values of a module's ``__dict__`` that pickling it sends (:func:`dpool.held.unsent`)."""
+
+    __slots__ = ("d", "unsent")
+
+    def __init__(self, d: dict, unsent: frozenset[str]) -> None:
+        self.d, self.unsent = d, unsent
+
+    def __iter__(self) -> Any:
+        unsent = self.unsent
+        return (v for k, v in self.d.items() if k not in unsent)
+
+
 class Master:
     """The master module's tensors, bound to one shared region.
 
@@ -390,7 +403,8 @@ class Master:
         held) and the keys of the hooks a replica runs: what :meth:`touched` and :meth:`attribute_changes`
         compare with. ``walked``: :func:`dpool.held.walk` of the modules, taken just now."""
         self._dicts = [m.__dict__ for m in self.modules]
-        self._values = [d.values() for d in self._dicts]  # live views
+        self._unsent = [_held.unsent(m) for m in self.modules]  # (what a replica never gets is not followed)
+        self._values = [d.values() if not u else _Sent(d, u) for d, u in zip(self._dicts, self._unsent)]  # live
         self._flat = list(itertools.chain.from_iterable(self._values))
         self._saved = [dict(d) for d in self._dicts]
         self._where = ["model" + (f".{n}" if n else "") for n in self._module_names]
@@ -466,9 +480,9 @@ class Master:
         ``model.sub.attr`` (``training`` left out: every forward sends it). The snapshot stays: the caller
         takes a new one once the replicas follow (:meth:`collect` does)."""
         changes = []
-        for where, d, saved in zip(self._where, self._dicts, self._saved):
+        for where, d, saved, unsent in zip(self._where, self._dicts, self._saved, self._unsent):
             for key in sorted(d.keys() | saved.keys()):
-                if key not in _SENT_EACH_FORWARD and d.get(key, _MISSING) is not saved.get(key, _MISSING):
+                if key not in _SENT_EACH_FORWARD and key not in unsent and d.get(key, _MISSING) is not saved.get(key, _MISSING):
                     changes.append(f"{where}.{key}")
         changes += [name for name, d, keys in zip(self._hook_names, self._hook_dicts, self._hook_keys)
                     if tuple(d) != keys]

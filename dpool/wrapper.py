@@ -20,7 +20,7 @@ from .config import Config
 from .cpus import local_share, physical_cores
 from .crossnode import CrossNode, resolve_group
 from .devices import DeviceLike, check_devices, parse_devices, pool_devices
-from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError
+from .errors import DpoolTypeError, DpoolValueError, PoolBrokenError, UnsupportedError
 
 __all__ = ["DataParallel", "wrap", "unwrap", "is_wrapped"]
 
@@ -349,6 +349,17 @@ class DataParallel(nn.DataParallel):
             "without worker processes; wrap the copy with dpool.wrap() to train it in parallel",
             UserWarning, stacklevel=3)
         return _master_copy, (self.module,)
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        # DistributedDataParallel's constructor reads this attribute of the module it wraps: reading it on a
+        # dpool model means DDP is being put around dpool (accelerate's prepare() in a multi-process run,
+        # Lightning's DDP), which would reduce the gradients twice: refused there, at construction.
+        raise UnsupportedError(
+            "DistributedDataParallel around a dpool model would reduce its gradients twice (dpool already sums "
+            "them over its workers). Run one process (python train.py, or accelerate launch --num_processes=1) "
+            "and let dpool use the devices, or use dpool's cross-node mode under torchrun (one dpool.wrap per "
+            "machine, no DDP around it).")
 
     def extra_repr(self) -> str:
         nodes = f", rank={self.rank}, world_size={self.world_size}" if self._nodes is not None else ""

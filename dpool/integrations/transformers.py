@@ -1,0 +1,205 @@
+"""HuggingFace ``Trainer`` with its forwards on dpool workers: :class:`DpoolTrainer`, :class:`DpoolTrainerMixin`.
+
+>>> from dpool.integrations.transformers import DpoolTrainer
+>>> trainer = DpoolTrainer(model=model, args=args, train_dataset=ds, device_ids=["cpu", "cpu"])
+>>> trainer.train()
+
+The Trainer keeps the bare model as ``trainer.model`` (what it saves, logs and hands to callbacks) and
+runs every forward through a dpool model (``trainer.model_wrapped``), in place of its own
+``nn.DataParallel``. Requires ``pip install dpool[transformers]``.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree
+from transformers import Trainer
+
+from .. import scatter
+from ..devices import DeviceLike
+from ..errors import UnsupportedError
+from ..wrapper import DataParallel, is_wrapped, unwrap, wrap
+
+__all__ = ["DpoolTrainer", "DpoolTrainerMixin"]
+
+
+class _Pool:
+    """The trainer's dpool model: opened on first use, closed when the outermost train/evaluate/predict
+    returns (or when the trainer is collected: a ``weakref.finalize`` holds this, not the trainer)."""
+
+    def __init__(self, device_ids: Sequence[DeviceLike] | None, options: dict[str, Any]) -> None:
+        self.device_ids = None if device_ids is None else list(device_ids)
+        self.options = options
+        self.model: DataParallel | None = None
+        self.depth = 0
+
+    def open(self, module: nn.Module) -> DataParallel:
+        model = self.model
+        if model is None or model._runtime is None or model.module is not module:
+            self.close()
+            model = self.model = wrap(module, self.device_ids, **self.options)
+        return model
+
+    def close(self) -> None:
+        model, self.model = self.model, None
+        if model is not None:
+            model.close()
+
+
+if TYPE_CHECKING:  # (type checkers read the mixin as the Trainer it is mixed into)
+    _Base = Trainer
+else:
+    _Base = object
+
+
+class DpoolTrainerMixin(_Base):
+    r"""What makes a ``transformers.Trainer`` subclass run its forwards on dpool workers.
+
+    Put it first among the bases: ``class MyTrainer(DpoolTrainerMixin, SFTTrainer)``. It takes the
+    subclass's arguments, plus:
+
+    Args:
+        device_ids (list of int, str or torch.device, optional): one worker per entry, as
+            :func:`dpool.wrap`'s. Default: every visible GPU, or one CPU worker per physical core.
+        dpool_options (dict, optional): other keyword arguments of :func:`dpool.wrap`
+            (``worker_threads``, ``max_restarts``, ``buffers``...).
+
+    What it changes:
+
+    * every forward (training, evaluation, prediction) runs on the workers, and the batch the Trainer
+      loads is the batch dpool splits (``per_device_train_batch_size`` is the batch per step, as in one
+      process; the Trainer's own ``nn.DataParallel`` is never used);
+    * the loss logged and backpropagated is the mean of the shards' losses, as the Trainer computes it
+      for ``nn.DataParallel``; a model that normalizes its loss by ``num_items_in_batch`` gets each
+      shard's share of it, so the mean equals one process's loss;
+    * ``gradient_accumulation_steps`` holds the gradients on the workers (:meth:`dpool.DataParallel.no_sync`)
+      until the last micro-batch; ``bf16``/``fp16`` autocast reaches the workers;
+    * checkpoints and ``save_model()`` hold the bare model's keys;
+    * the workers start at the first forward and stop when the outermost ``train()``, ``evaluate()``
+      or ``predict()`` returns.
+
+    Raises:
+        UnsupportedError: at construction, for what dpool cannot do exactly: DeepSpeed or FSDP in the
+            arguments, or a multi-process launch (``torchrun``, ``accelerate launch``).
+    """
+
+    def __init__(self, *args: Any, device_ids: Sequence[DeviceLike] | None = None,
+                 dpool_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, nn.Module) and (is_wrapped(model) or isinstance(model, nn.DataParallel)):
+            raise UnsupportedError(f"{type(self).__name__} wraps the model itself: pass the bare model "
+                                   f"(dpool.unwrap(model)), not a {type(model).__name__}")
+        self._dpool = _Pool(device_ids, dict(dpool_options or {}))
+        weakref.finalize(self, self._dpool.close)
+        super().__init__(*args, **kwargs)
+        self._refuse_what_dpool_cannot_do()
+        # One process drives every worker: the Trainer's DataParallel paths (which wrap the model, scale
+        # the batch by the GPU count and split num_items_in_batch) are dpool's here, as for model parallelism.
+        self.args._n_gpu = min(self.args.n_gpu, 1)
+        self._train_batch_size = self.args.train_batch_size
+
+    def _refuse_what_dpool_cannot_do(self) -> None:
+        name = type(self).__name__
+        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False) \
+                or getattr(self, "is_fsdp_xla_enabled", False):
+            raise UnsupportedError(
+                f"{name} cannot run DeepSpeed or FSDP (set in the TrainingArguments): they shard the model over "
+                "processes, dpool replicates it over workers of one process. Drop deepspeed/fsdp from the "
+                "arguments, or use the plain Trainer for a sharded run.")
+        if self.args.world_size > 1:
+            raise UnsupportedError(
+                f"{name} runs in one process, but this is process {self.args.process_index} of "
+                f"{self.args.world_size} (torchrun or accelerate launch): the Trainer would put "
+                "DistributedDataParallel around dpool and reduce the gradients twice. Launch one process "
+                "(python train.py), or use dpool's cross-node mode (one dpool.wrap per machine under torchrun).")
+
+    @contextlib.contextmanager
+    def _dpool_session(self) -> Iterator[None]:
+        pool = self._dpool
+        pool.depth += 1
+        try:
+            yield
+        finally:
+            pool.depth -= 1
+            if pool.depth == 0:
+                pool.close()
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        with self._dpool_session():
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        with self._dpool_session():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        with self._dpool_session():
+            return super().predict(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        accelerator = self.accelerator
+        single_process_no_sync = accelerator.no_sync
+
+        def no_sync(model: nn.Module) -> Any:
+            # accelerate's no_sync does nothing in one process; a dpool model holds the micro-batches'
+            # gradients on its workers until the last one, as DDP's no_sync does
+            return model.no_sync() if is_wrapped(model) else single_process_no_sync(model)
+
+        accelerator.no_sync = no_sync
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        bare = unwrap(model)
+        dp = self._dpool.open(bare)
+        if self.accelerator.native_amp and "forward" not in vars(dp):
+            # What accelerator.prepare() does to a model for bf16/fp16: autocast around the forward (which
+            # the workers follow) and its outputs in float32. The Trainer does not prepare a wrapped model.
+            from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+            autocast = get_mixed_precision_context_manager(self.accelerator.native_amp,
+                                                           self.accelerator.autocast_handler)
+            dp.forward = convert_outputs_to_fp32(autocast(dp.forward))
+        return dp
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if not is_wrapped(model):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss_in_model = not ((self.label_smoother is not None or self.compute_loss_func is not None)
+                             and "labels" in inputs)
+        if loss_in_model and num_items_in_batch is not None and self.model_accepts_loss_kwargs:
+            # each shard's loss is its sum over num_items_in_batch / shards, so that their mean is one
+            # process's loss (the Trainer's nn.DataParallel path divides by the GPU count the same way)
+            num_items_in_batch = num_items_in_batch / _shards(model, inputs)
+        with warnings.catch_warnings():  # (a loss per shard is what is wanted here: DataParallel's warning is not)
+            warnings.filterwarnings("ignore", message="Was asked to gather along dimension 0")
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        if torch.is_tensor(loss) and loss.dim() > 0:
+            loss = loss.mean()  # the shards' losses, one per worker
+        return (loss, outputs) if return_outputs else loss
+
+
+def _shards(model: DataParallel, inputs: dict[str, Any]) -> int:
+    """How many shards dpool splits ``inputs`` into (fewer than the workers for a batch of fewer rows)."""
+    tensors = [t for t in _pytree.tree_leaves(inputs) if torch.is_tensor(t)]
+    return scatter.plan(tensors, len(model.device_ids), model.dim)[0]
+
+
+class DpoolTrainer(DpoolTrainerMixin, Trainer):
+    r"""A ``transformers.Trainer`` whose forwards run on dpool workers.
+
+    Takes ``Trainer``'s arguments, plus ``device_ids`` and ``dpool_options``; see
+    :class:`DpoolTrainerMixin` for what changes.
+
+    Example::
+
+        >>> args = TrainingArguments("out", use_cpu=True, per_device_train_batch_size=16)
+        >>> trainer = DpoolTrainer(model=model, args=args, train_dataset=ds, device_ids=["cpu", "cpu"])
+        >>> trainer.train()
+        >>> trainer.save_model()     # AutoModel.from_pretrained("out") loads it
+    """

@@ -1,0 +1,143 @@
+"""HF Trainer on dpool workers (DpoolTrainer), against the same run of the plain Trainer in one process."""
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,  # noqa: E402
+                          Trainer, TrainingArguments)
+
+import dpool  # noqa: E402
+from dpool.integrations.transformers import DpoolTrainer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+_BERT = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3, max_position_embeddings=16)
+
+
+def _classification_data(n: int = 32) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    # "label" is renamed by the collator; "note" is a column the model does not take: the Trainer drops it
+    # by the forward's signature (with the wrapper's old (*inputs, **kwargs), it dropped every column)
+    return [{"input_ids": torch.randint(0, 50, (8,), generator=g), "attention_mask": torch.ones(8, dtype=torch.long),
+             "label": int(torch.randint(0, 3, (1,), generator=g)), "note": "unused"} for _ in range(n)]
+
+
+def _args(out, **kw) -> TrainingArguments:
+    base = dict(use_cpu=True, per_device_train_batch_size=8, per_device_eval_batch_size=8, max_steps=4,
+                learning_rate=1e-2, gradient_accumulation_steps=2, logging_steps=1, report_to=[], save_strategy="no",
+                seed=0, dataloader_drop_last=True, disable_tqdm=True)
+    base.update(kw)
+    return TrainingArguments(str(out), **base)
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module, **tol) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, msg=name, **tol)
+
+
+def _workers_gone(pids) -> bool:
+    return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_dpool_trainer_trains_evaluates_and_saves_like_the_trainer(tmp_path):
+    data = _classification_data()
+    runs = {}
+    for name, cls, extra in (("plain", Trainer, {}), ("dpool", DpoolTrainer, {"device_ids": ["cpu", "cpu"]})):
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(BertConfig(**_BERT))
+        trainer = cls(model=model, args=_args(tmp_path / name), train_dataset=data, eval_dataset=data[:16], **extra)
+        trainer.train()
+        runs[name] = (model, trainer, trainer.evaluate(), trainer.predict(data[:16]))
+    (ref, ref_trainer, ref_eval, ref_pred), (model, trainer, evaluation, pred) = runs["plain"], runs["dpool"]
+    assert trainer.model is model and dpool.is_wrapped(trainer.model_wrapped)
+    assert _losses(trainer) == pytest.approx(_losses(ref_trainer), rel=1e-5) and len(_losses(trainer)) == 4
+    _assert_same_parameters(model, ref)
+    assert evaluation["eval_loss"] == pytest.approx(ref_eval["eval_loss"], rel=1e-5)
+    torch.testing.assert_close(torch.as_tensor(pred.predictions), torch.as_tensor(ref_pred.predictions))
+    # the workers stop when train()/evaluate()/predict() return
+    pids = trainer.model_wrapped.pids or [0]
+    assert trainer.model_wrapped._runtime is None and _workers_gone(pids)
+    # save_model() holds the bare model's keys: from_pretrained loads the trained weights
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = BertForSequenceClassification.from_pretrained(str(tmp_path / "saved"))
+    _assert_same_parameters(loaded, model, rtol=0, atol=0)
+
+
+def _lm_data(n: int = 16) -> list[dict]:
+    """Causal-LM rows padded to different lengths (labels -100 there), so the shards hold different numbers
+    of target tokens: a loss normalized by num_items_in_batch is then wrong unless each shard gets its share."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(1, 64, (10,), generator=g)
+        labels = ids.clone()
+        labels[10 - (i % 7):] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def test_a_loss_normalized_by_the_items_in_the_batch_equals_one_process(tmp_path):
+    cfg = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=2, max_position_embeddings=16)
+    models, trainers = {}, {}
+    for name, cls, extra in (("plain", Trainer, {}), ("dpool", DpoolTrainer, {"device_ids": ["cpu", "cpu"]})):
+        torch.manual_seed(0)
+        models[name] = LlamaForCausalLM(LlamaConfig(**cfg))
+        trainers[name] = cls(model=models[name], args=_args(tmp_path / name, max_steps=3), train_dataset=_lm_data(),
+                             **extra)
+        trainers[name].train()
+    assert trainers["plain"].model_accepts_loss_kwargs  # (the path under test)
+    assert _losses(trainers["dpool"]) == pytest.approx(_losses(trainers["plain"]), rel=1e-5)
+    _assert_same_parameters(models["dpool"], models["plain"])
+
+
+def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
+    data = _classification_data()
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    torch.manual_seed(0)
+    whole = BertForSequenceClassification(BertConfig(**_BERT))
+    DpoolTrainer(model=whole, args=_args(tmp_path / "whole", **args), train_dataset=data,
+                 device_ids=["cpu", "cpu"]).train()
+    torch.manual_seed(0)
+    first = BertForSequenceClassification(BertConfig(**_BERT))
+    DpoolTrainer(model=first, args=_args(tmp_path / "cut", **args), train_dataset=data,
+                 device_ids=["cpu", "cpu"]).train()
+    torch.manual_seed(1)  # another start: everything must come from the checkpoint
+    resumed = BertForSequenceClassification(BertConfig(**_BERT))
+    DpoolTrainer(model=resumed, args=_args(tmp_path / "cut", **args), train_dataset=data,
+                 device_ids=["cpu", "cpu"]).train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
+    _assert_same_parameters(resumed, whole)
+
+
+def test_bf16_autocast_reaches_the_workers(tmp_path):
+    data = _classification_data()
+    losses = {}
+    for name, cls, kw in (("plain-bf16", Trainer, {"bf16": True}), ("dpool-bf16", DpoolTrainer, {"bf16": True}),
+                          ("dpool-fp32", DpoolTrainer, {})):
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(BertConfig(**_BERT))
+        extra = {"device_ids": ["cpu", "cpu"]} if cls is DpoolTrainer else {}
+        trainer = cls(model=model, args=_args(tmp_path / name, **kw), train_dataset=data, **extra)
+        trainer.train()
+        losses[name] = _losses(trainer)
+    assert losses["dpool-bf16"] == pytest.approx(losses["plain-bf16"], rel=2e-3)
+    assert losses["dpool-bf16"] != pytest.approx(losses["dpool-fp32"], rel=1e-5)  # (the workers did use bf16)
+
+
+def test_a_wrapped_model_is_refused_at_construction(tmp_path):
+    """DpoolTrainer wraps the model itself; one wrapped already (DataParallel, dpool) would be wrapped twice.
+    (DeepSpeed, FSDP and multi-process launches: tests/test_integration_accelerate.py, under torchrun.)"""
+    model = BertForSequenceClassification(BertConfig(**_BERT))
+    with pytest.raises(dpool.UnsupportedError, match="pass the bare model"):
+        DpoolTrainer(model=torch.nn.DataParallel(model), args=_args(tmp_path))
+    with dpool.wrap(model, ["cpu", "cpu"]) as wrapped:
+        with pytest.raises(dpool.UnsupportedError, match="pass the bare model"):
+            DpoolTrainer(model=wrapped, args=_args(tmp_path))
