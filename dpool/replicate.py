@@ -402,9 +402,8 @@ class Master:
         """Remember every module's attributes (the objects themselves: an id is never reused while they are
         held) and the keys of the hooks a replica runs: what :meth:`touched` and :meth:`attribute_changes`
         compare with. ``walked``: :func:`dpool.held.walk` of the modules, taken just now."""
-        self._dicts = [m.__dict__ for m in self.modules]
-        self._unsent = [_held.unsent(m) for m in self.modules]  # (what a replica never gets is not followed)
-        self._values = [d.values() if not u else _Sent(d, u) for d, u in zip(self._dicts, self._unsent)]  # live
+        self._dicts, self._unsent = [m.__dict__ for m in self.modules], [_held.unsent(m) for m in self.modules]
+        self._values = [d.values() if not u else _Sent(d, u) for d, u in zip(self._dicts, self._unsent)]
         self._flat = list(itertools.chain.from_iterable(self._values))
         self._saved = [dict(d) for d in self._dicts]
         self._where = ["model" + (f".{n}" if n else "") for n in self._module_names]

@@ -1,0 +1,26 @@
+"""HF Trainer on two CPU workers: a tiny BERT classifier, built from a config (no download).
+
+    python examples/integrations/hf_trainer.py      # needs: pip install -e ".[transformers]"
+"""
+import tempfile
+
+import torch
+from transformers import AutoModelForSequenceClassification, BertConfig, TrainingArguments
+
+from dpool.integrations.transformers import DpoolTrainer
+
+config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=64, num_labels=2)
+model = AutoModelForSequenceClassification.from_config(config)
+g = torch.Generator().manual_seed(0)
+data = [{"input_ids": torch.randint(0, 100, (16,), generator=g), "label": i % 2} for i in range(64)]
+
+with tempfile.TemporaryDirectory() as out:
+    args = TrainingArguments(out, use_cpu=True, per_device_train_batch_size=16, num_train_epochs=2,
+                             gradient_accumulation_steps=2, logging_steps=2, report_to=[], disable_tqdm=True)
+    trainer = DpoolTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:16],
+                           device_ids=["cpu", "cpu"])
+    trainer.train()                      # the forwards run on the two workers
+    print(trainer.evaluate())            # the workers start again, and stop when it returns
+    trainer.save_model(out + "/final")   # the bare model's keys
+    AutoModelForSequenceClassification.from_pretrained(out + "/final")
