@@ -20,7 +20,7 @@ from . import knobs, protocol as P
 from .channel import Channel
 from .errors import DaemonLostError, DpoolValueError, KeyRejectedError, PoolNotFoundError, PoolPermissionError
 
-__all__ = ["runtime_dir", "pool_dir", "lock_held", "read_pool", "read_key_file", "locate", "request",
+__all__ = ["runtime_dir", "pool_dir", "lock_held", "running_pools", "read_pool", "read_key_file", "locate", "request",
            "POOL_FILES"]
 
 POOL_FILES = ("state.json", "daemon.sock", "key", "daemon.log", "lock")  # what a pool directory holds
@@ -72,6 +72,16 @@ def lock_held(path: str) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def running_pools() -> list[str]:
+    """Names of this user's pools whose daemon is alive (holds the pool's lock)."""
+    base = os.path.join(runtime_dir(), "pools")
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return []
+    return [n for n in names if lock_held(os.path.join(base, n))]
 
 
 def read_pool(name: str) -> tuple[dict, bytes]:

@@ -500,3 +500,10 @@ def test_faults_at_any_moment_keep_the_pool_usable_and_nothing_is_lost():
         assert info["client_pid"] is None and sum(w["restarts"] for w in info["workers"]) >= 3, info
     finally:
         next(started, None)
+
+
+def test_a_shared_memory_directory_that_does_not_exist_is_a_shared_memory_error(tmp_path):
+    """It was a bare FileNotFoundError from os.statvfs, naming neither dpool nor DPOOL_SHM_DIR."""
+    missing = str(tmp_path / "no-such-dir")
+    with pytest.raises(dpool.SharedMemoryError, match=rf"{missing} cannot be used .*DPOOL_SHM_DIR"):
+        dpool.wrap(torch.nn.Linear(3, 2), ["cpu", "cpu"], shm_dir=missing)

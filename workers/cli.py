@@ -6,10 +6,11 @@
     dpool-workers list   [--json]
     dpool-workers status [--name NAME] [--json]          (no --name: the one running pool)
     dpool-workers stop   [--name NAME] [--timeout S]     (no --name: the one running pool)
+    dpool-workers doctor [--json]                        (the environment check: see dpool_workers.doctor)
     dpool-workers --version
 
-Exit codes: 0 success; 1 error (e.g. start failed, daemon unresponsive); 2 usage error;
-3 no pool of that name is running (status, stop); 4 a pool of that name is already running (start).
+Exit codes: 0 success; 1 error (e.g. start failed, daemon unresponsive, a doctor check failed); 2 usage
+error; 3 no pool of that name is running (status, stop); 4 a pool of that name is already running (start).
 
 The daemon itself (its files, sessions and lifecycle) is :mod:`dpool_workers.daemon`; ``start``
 runs it in the background as ``cli start --foreground``.
@@ -31,7 +32,7 @@ from importlib.metadata import PackageNotFoundError, version
 import dpool
 from dpool import protocol as P
 from dpool.cpus import physical_cores
-from dpool.daemon_client import POOL_FILES, lock_held, pool_dir, read_pool, request, runtime_dir
+from dpool.daemon_client import POOL_FILES, lock_held, pool_dir, read_pool, request, running_pools
 from dpool.launch import worker_command
 
 from .daemon import EXIT_ALREADY_RUNNING, EXIT_ERROR, EXIT_NOT_RUNNING, EXIT_OK, EXIT_USAGE, Daemon
@@ -138,16 +139,6 @@ def _version() -> str:
         return dpool.__version__
 
 
-def running_pools() -> list[str]:
-    """Names of this user's pools whose daemon is alive (holds the pool's lock)."""
-    base = os.path.join(runtime_dir(), "pools")
-    try:
-        names = sorted(os.listdir(base))
-    except FileNotFoundError:
-        return []
-    return [n for n in names if lock_held(os.path.join(base, n))]
-
-
 def cmd_list(a: argparse.Namespace) -> int:
     rows = []
     for name in running_pools():
@@ -240,7 +231,14 @@ def cmd_stop(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from . import doctor  # (imports torch)
+
+    return doctor.main(a.json)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (the docs site prints its help)."""
     ap = argparse.ArgumentParser(prog="dpool-workers", description="Warm dpool worker pools that training "
                                  "scripts attach to with dpool.wrap(net, pool=NAME) or DPOOL_POOL=NAME.",
                                  epilog="exit codes: 0 ok, 1 error, 2 usage, 3 not running, 4 already running")
@@ -270,7 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--name", default=None, help="default: the one running pool")
     sp.add_argument("--timeout", type=float, default=10.0)
     sp.set_defaults(func=cmd_stop)
-    a = ap.parse_args(argv)
+    dr = sub.add_parser("doctor", help="check this machine for dpool (each finding OK, WARN or FAIL with what to "
+                        "do) and run a 2-worker training step; exits 1 on a FAIL")
+    dr.add_argument("--json", action="store_true")
+    dr.set_defaults(func=cmd_doctor)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if getattr(a, "name", "") is None:  # status / stop without --name: the one running pool, if just one runs
         names = running_pools()
         if len(names) != 1:

@@ -38,7 +38,12 @@ def segment_prefix() -> str:
 
 
 def _free_bytes(directory: str) -> int:
-    st = os.statvfs(directory)
+    try:
+        st = os.statvfs(directory)
+    except OSError as exc:
+        raise SharedMemoryError(
+            f"dpool's shared-memory directory {directory} cannot be used ({exc.strerror}): point DPOOL_SHM_DIR "
+            f"(or Config.shm_dir) at a tmpfs directory that exists, or mount /dev/shm") from None
     return st.f_bavail * st.f_frsize
 
 
