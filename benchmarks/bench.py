@@ -375,27 +375,48 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def chart(results: dict, path: str) -> None:
-    import matplotlib
-
+def chart(results: dict, path: str) -> bool:
+    """Speed relative to one process (``single`` = 1), every workload on one scale, one group of bars per
+    workload; the whiskers are the repeats' spread. Returns False (no chart) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    wl = list(results["workloads"])
-    setups = list(next(iter(results["workloads"].values()))["setups"])
-    fig, axes = plt.subplots(1, len(wl), figsize=(4 * len(wl), 3.5), squeeze=False)
-    for ax, wname in zip(axes[0], wl):
-        e = results["workloads"][wname]["setups"]
-        vals = [e[s]["samples_per_s"] for s in setups]
-        errs = [[v - e[s]["samples_per_s_min"] for s, v in zip(setups, vals)],
-                [e[s]["samples_per_s_max"] - v for s, v in zip(setups, vals)]]
-        ax.bar(setups, vals, yerr=errs, color=["#d62" if s.startswith("dpool") else "#888" for s in setups])
-        ax.set_title(wname)
-        ax.set_ylabel("samples/s")
-        ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(f"training throughput, {results['workers']} workers, {results['machine']['cores_physical']} cores")
+    wl = [w for w in results["workloads"] if "single" in results["workloads"][w]["setups"]]
+    if not wl:
+        return False
+    setups = [s for s in next(iter(results["workloads"].values()))["setups"] if s != "single"]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(wl), 3.8))
+    width = 0.8 / max(1, len(setups))
+    colors = {"dp": "#8a8", "ddp": "#47b", "dpool": "#d62", "dpool-loss": "#f95", "ideal": "#bbb", "ceiling": "#777",
+              "minimal": "#c9c", "minimal-loss": "#dbd"}
+    for k, setup in enumerate(setups):
+        xs, ys, lo, hi = [], [], [], []
+        for i, w in enumerate(wl):
+            e = results["workloads"][w]["setups"]
+            if setup not in e:
+                continue
+            base = e["single"]["samples_per_s"]
+            v = e[setup]["samples_per_s"] / base
+            xs.append(i + (k - (len(setups) - 1) / 2) * width)
+            ys.append(v)
+            lo.append(v - e[setup]["samples_per_s_min"] / base)
+            hi.append(e[setup]["samples_per_s_max"] / base - v)
+        ax.bar(xs, ys, width, yerr=[lo, hi], label=setup, color=colors.get(setup, f"C{k + 2}"),
+               error_kw={"elinewidth": 0.6})
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(wl)), wl)
+    ax.set_ylabel("speed relative to one process")
+    ax.set_title(f"training throughput, {results['workers']} workers on {results['machine']['cores_physical']} "
+                 "CPU cores (1 = one process)", fontsize=9)
+    ax.legend(fontsize=7, ncol=len(setups), loc="upper center", bbox_to_anchor=(0.5, -0.09), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
 
 
 class _SlowOnOneWorker(torch.nn.Module):
@@ -736,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = "smoke" if a.smoke else "latest"
     with open(os.path.join(a.out, f"{stem}.json"), "w") as f:
         json.dump(all_results, f, indent=2)
-    chart(all_results, os.path.join(a.out, f"{stem}.png"))
+    if not chart(all_results, os.path.join(a.out, f"{stem}.png")):
+        print("(no chart: matplotlib is not installed; `pip install matplotlib` draws one)")
     print(table(all_results))
     return 0
 

@@ -8,9 +8,9 @@ costs on the machine it runs on, by putting a gap of ``--gaps`` milliseconds bef
 either sleeping (``time.sleep``) or spinning in Python, and reports the median time of the step itself.
 The setups are ``bench.py``'s, built and stepped as its table runs them (``single`` on every core).
 
-On the 2-core KVM host of the README's tables the single-process probe step took 0.23 ms back to back and
+On the 2-core KVM guest of docs/performance.md's tables the single-process probe step took 0.23 ms back to back and
 1.0-1.3 ms after a 12 ms gap, slept or spun alike: code that has not run for a few milliseconds runs
-several times slower there, whatever ran in between (docs/performance.md, session 45). The framework cost
+several times slower there, whatever ran in between (docs/performance.md). The framework cost
 of a dpool step, and the cost of the coordinator's work between a larger model's rounds, grow the same way.
 
     python benchmarks/cold.py                       # probe: single process, dpool, dpool-loss

@@ -51,6 +51,18 @@ def test_benchmark_smoke(tmp_path):
     assert "| probe |" in res.stdout and "dpool-loss: ddp" in res.stdout
 
 
+def test_benchmark_runs_without_matplotlib_and_says_so(tmp_path):
+    """matplotlib is only in the examples' extra: without it the benchmark writes its numbers, no chart."""
+    code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+            "sys.argv = ['bench.py', '--smoke', '--workloads', 'probe', '--setups', 'single,dpool', '--out', "
+            f"{str(tmp_path)!r}]; sys.exit(runpy.run_path('benchmarks/bench.py', run_name='__main__'))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=PYPATH))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "no chart: matplotlib is not installed" in res.stdout and "| probe |" in res.stdout
+    assert (tmp_path / "smoke.json").exists() and not (tmp_path / "smoke.png").exists()
+
+
 def test_benchmark_balance_demo_smoke():
     res = _run(["benchmarks/bench.py", "--smoke", "--balance-demo"])
     assert res.returncode == 0, res.stderr
