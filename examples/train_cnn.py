@@ -27,8 +27,9 @@ from torch import nn
 from tqdm import tqdm
 
 import dpool
-from dpool.cpus import physical_cores
-from dpool.launch import WORKER_MALLOC_KEEP
+
+# What dpool gives its workers: glibc keeps blocks up to 1 GiB in the heap between steps (docs/performance.md)
+WORKER_MALLOC_KEEP = 1 << 30
 
 
 class CNN(nn.Module):
@@ -67,8 +68,8 @@ def main() -> None:
     ap.add_argument("--default-malloc", action="store_true",
                     help="run single/dataparallel with glibc's malloc defaults instead of dpool's worker setting")
     args = ap.parse_args()
-    # dpool's workers keep their heap between steps (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, see the
-    # README); glibc reads them at start-up, so a baseline gets the same setting by starting again with it.
+    # dpool's workers keep their heap between steps (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, see
+    # docs/performance.md); glibc reads them at start-up, so a baseline gets the same setting by starting again with it.
     # Otherwise --workers 1 would look 2.6x faster than --mode single for that reason alone.
     keep = str(WORKER_MALLOC_KEEP)
     if args.mode != "dpool" and not args.default_malloc and args.device == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
@@ -78,10 +79,12 @@ def main() -> None:
             else "glibc's malloc defaults")
 
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    # default: dpool's own (one worker per GPU, or per physical core on CPU); one GPU gets two workers
     if args.workers is None:
-        args.workers = (gpus if gpus > 1 else 2) if gpus else physical_cores()
-    device_ids: list = (list(range(gpus)) if gpus > 1 and args.workers == gpus else [0] * args.workers) if gpus \
-        else ["cpu"] * args.workers
+        device_ids: list | None = [0, 0] if gpus == 1 else None
+    else:
+        device_ids = (list(range(gpus)) if gpus > 1 and args.workers == gpus else [0] * args.workers) if gpus \
+            else ["cpu"] * args.workers
     dev = torch.device("cuda:0" if gpus else "cpu")
     torch.manual_seed(0)
     x_train, y_train = synthetic(args.train_size, seed=1)
@@ -96,7 +99,7 @@ def main() -> None:
     else:
         model = net
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    print(f"mode={args.mode} device={dev} workers={device_ids if args.mode == 'dpool' else 1} "
+    print(f"mode={args.mode} device={dev} workers={model.device_ids if dpool.is_wrapped(model) else 1} "
           f"torch threads in this process={torch.get_num_threads()}")
     samples, train_time = 0, 0.0
     try:

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Create ./.venv (or $DPOOL_VENV) if needed and install dpool into it. Sourced by the other scripts.
+# Create ./.venv (or $DPOOL_VENV) if needed and install dpool into it with the extras in $DPOOL_EXTRAS
+# (default: test,examples,docs). Sourced by the other scripts.
 #
 # torch: an already installed torch is kept; otherwise a machine with an NVIDIA GPU gets the default
 # (CUDA) build from the package index, and a CPU-only machine gets torch==2.13.0, which on this
 # project's machines is a small CPU build kept on local disk. (Elsewhere, point PIP_EXTRA_INDEX_URL at
 # PyTorch's CPU wheel index to stay light.)
+#
+# pip runs only when pyproject.toml or the extras changed since this venv's last install (a stamp file in
+# the venv records them), so running an example again starts at once.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${DPOOL_VENV:-.venv}
+EXTRAS=${DPOOL_EXTRAS:-test,examples,docs}
 if [ ! -x "$VENV/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
@@ -20,4 +25,15 @@ if ! python -c "import torch" >/dev/null 2>&1; then
     python -m pip install --quiet "torch==2.13.0"
   fi
 fi
-python -m pip install --quiet -e ".[test,examples]"
+STAMP="$VENV/.dpool-installed"
+WANT="$(sha256sum pyproject.toml | cut -d' ' -f1) $EXTRAS"
+# (a stamp covering more extras than asked for also serves: the test venv runs the example too)
+if [ ! -f "$STAMP" ] || ! python - "$STAMP" "$WANT" <<'PY'
+import sys
+have, want = open(sys.argv[1]).read().split(), sys.argv[2].split()
+sys.exit(0 if have[0] == want[0] and set(want[1].split(",")) <= set(have[1].split(",")) else 1)
+PY
+then
+  python -m pip install --quiet -e ".[$EXTRAS]"
+  echo "$WANT" > "$STAMP"
+fi
