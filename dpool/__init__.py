@@ -82,7 +82,7 @@ def _configure_logging() -> None:
 
 _configure_logging()
 
-__version__ = "0.2.0"  # keep equal to pyproject.toml (a test checks)
+__version__ = "0.3.0"  # keep equal to pyproject.toml (a test checks)
 
 __all__ = [
     "wrap",

@@ -14,8 +14,8 @@ the mutable containers among them with a copy of each (:attr:`Held.containers`, 
 list comparison in C, ``==`` with identity first, tells that one changed), and every tensor it met with
 where it is held (:attr:`Held.tensors`: their version counters tell an in-place change, and a tensor that
 views a parameter is kept viewing it). The training loop's objects (an optimizer, a scheduler, a
-gradient scaler) are not walked and travel as a :class:`LeftBehind`. Not followed, and said in the
-README: objects with pickling of their own (``__getstate__``, ``__reduce__``, ``__slots__``), NumPy arrays
+gradient scaler) are not walked and travel as a :class:`LeftBehind`. Not followed, and said in
+docs/semantics.md: objects with pickling of their own (``__getstate__``, ``__reduce__``, ``__slots__``), NumPy arrays
 changed in place, and what lies beyond :data:`LIMIT` entries or :data:`DEPTH` levels, which
 :attr:`Held.skipped` names for a warning.
 """

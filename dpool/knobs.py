@@ -173,8 +173,9 @@ def get(name: str, environ: Any = None) -> Any:
 
 def markdown() -> str:
     """``docs/knobs.md``: every knob, grouped, as a table."""
-    lines = ["# Environment variables", "",
-             "Every `DPOOL_*` variable dpool reads, generated from `dpool/knobs.py` "
+    lines = ["# Configuration: every environment variable", "",
+             "Timeouts and limits are also `dpool.Config` fields and `dpool.wrap()` keyword arguments (the API "
+             "reference lists them). Every `DPOOL_*` variable dpool reads, generated from `dpool/knobs.py` "
              "(`python -c 'import dpool.knobs as k; print(k.markdown(), end=\"\")' > docs/knobs.md`). An unset or empty variable takes its default; a value "
              "the variable does not take raises `dpool.DpoolValueError` naming it and its choices.", ""]
     groups: dict[str, list[Knob]] = {}

@@ -84,7 +84,7 @@ class DataParallel(nn.DataParallel):
             initialised with more than one rank), ``None`` to stay on this node, or a
             ``torch.distributed`` group. The nodes' gradients are averaged (DDP's
             convention), parameters and buffers are taken from rank 0 at ``wrap()``; see
-            the README's "Many machines". Default: ``"auto"``.
+            docs/multinode.md. Default: ``"auto"``.
         coordinator_threads (int, optional): torch threads of this process
             while the pool is open, so that it does not compete with the
             workers for cores; restored by :meth:`close`. ``None`` leaves the
@@ -281,7 +281,7 @@ class DataParallel(nn.DataParallel):
             ``forward_rounds_saved`` (``gather=False`` forwards that went to the workers with their loss, in
             one round: see "Loss on the workers" in docs/features.md),
             ``rounds_spun`` (rounds so far whose replies the coordinator caught while it spun instead of
-            sleeping: short rounds, see ``DPOOL_WAIT_SPIN_US`` in the README).
+            sleeping: short rounds, see ``DPOOL_WAIT_SPIN_US`` in docs/knobs.md).
         """
         rt = self._runtime
         if rt is None:
