@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 import psutil
 
-from .errors import PeerLostError, PeerTimeoutError
+from .errors import CollectiveDesyncError, PeerLostError, PeerTimeoutError
 
 __all__ = ["Peer", "Peers", "arm_exit_guard"]
 
@@ -157,7 +157,7 @@ class Peers:
             self.check("", 0)
             if time.monotonic() <= deadline:
                 return
-        except (PeerLostError, PeerTimeoutError):
+        except (PeerLostError, PeerTimeoutError, CollectiveDesyncError):
             pass
         self._broke = True
         self.breaker()
@@ -269,7 +269,9 @@ class Peers:
                 f"this rank ({self.me.where()}) was {doing} at step {step}; every rank still beats, so one "
                 f"of them is stuck outside dpool (or waits in another collective). {_AFTER}", step=step)
 
-    def _aborted(self, doing: str, step: int) -> PeerLostError:
+    def _aborted(self, doing: str, step: int) -> PeerLostError | CollectiveDesyncError:
+        """The error another rank's abort key means here: that rank's loss, or, where it found the ranks out of
+        step, the same :class:`CollectiveDesyncError` (every rank gets it, also one whose own swap it ended)."""
         culprit, reporter, cause = ((self._abort or "").split("\n", 2) + ["", ""])[:3]
         r = int(culprit) if culprit.lstrip("-").isdigit() else -1
         p = self.peers[r] if 0 <= r < self.size else Peer(r, "", -1)
@@ -277,10 +279,11 @@ class Peers:
             what = f"{p.where()} failed and aborted the job: {cause}"
         else:  # another survivor lost this rank first: name the lost rank, not the one that reported it
             what = f"{cause} (reported by rank {reporter})"
-        return PeerLostError(f"{what}\n(this rank, {self.me.where()}, was {doing} at step {step}.) {_AFTER}",
-                             rank=r, host=p.host, pid=p.pid, step=step)
+        error = CollectiveDesyncError if cause.startswith(f"{CollectiveDesyncError.__name__} ") else PeerLostError
+        return error(f"{what}\n(this rank, {self.me.where()}, was {doing} at step {step}.) {_AFTER}",
+                     rank=r, host=p.host, pid=p.pid, step=step)
 
-    def _lost(self, gloo: str, doing: str, step: int) -> PeerLostError:
+    def _lost(self, gloo: str, doing: str, step: int) -> PeerLostError | CollectiveDesyncError:
         """Name the rank behind a failed collective: abort key, gone keys, dead pids here, stopped heartbeats."""
         first = _gloo_text(gloo)
         deadline = time.monotonic() + 2 * self.interval_s + 0.2  # let the abort key of the failing rank land

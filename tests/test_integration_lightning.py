@@ -38,6 +38,9 @@ def clean():
 
 _TRAINER = _COMMON + r"""
 steps_pids = []
+held = []  # micro-batches run inside no_sync(): accumulate_grad_batches=2 holds the first of each pair
+_no_sync = dpool.DataParallel.no_sync
+dpool.DataParallel.no_sync = lambda self: held.append(1) or _no_sync(self)
 
 class Module(L.LightningModule):
     def __init__(self, width=8):
@@ -75,6 +78,7 @@ with tempfile.TemporaryDirectory() as root:
     res = {}
     for name, kw in (("instance", dict(strategy=DpoolStrategy(device_ids=["cpu", "cpu"]), accelerator="cpu")),
                      ("by_name", dict(strategy="dpool", accelerator="cpu", devices=2))):
+        held.clear()
         module, trainer = fit(root + "/" + name, **kw)
         best = trainer.checkpoint_callback.best_model_path
         loaded = Module.load_from_checkpoint(best)  # the plain class, the bare keys
@@ -85,6 +89,7 @@ with tempfile.TemporaryDirectory() as root:
             "keys": sorted(torch.load(best, weights_only=False)["state_dict"]),
             "forwards_on_workers": Count.forwards,
             "closed": trainer.strategy._dpool is None and module.__dict__.get("_compiled_call_impl") is None,
+            "held": len(held),
         }
     # bf16-mixed autocasts training_step; the workers follow it
     ref16, _ = fit(root + "/ref16", accelerator="cpu", devices=1, precision="bf16-mixed")
@@ -97,6 +102,10 @@ print("RESULT " + json.dumps(res))
 """
 
 _FABRIC = _COMMON + r"""
+held = []
+_no_sync = dpool.DataParallel.no_sync
+dpool.DataParallel.no_sync = lambda self: held.append(1) or _no_sync(self)
+
 def run(strategy, devices):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -113,6 +122,7 @@ def run(strategy, devices):
 ref, _, _ = run("auto", 1)
 res = {}
 for name, strategy, devices in (("instance", DpoolStrategy(device_ids=["cpu", "cpu"]), 1), ("by_name", "dpool", 2)):
+    held.clear()
     net, fabric, model = run(strategy, devices)
     with tempfile.TemporaryDirectory() as d:
         fabric.save(d + "/ckpt", {"model": model})
@@ -121,7 +131,7 @@ for name, strategy, devices in (("instance", DpoolStrategy(device_ids=["cpu", "c
     plain.load_state_dict(state)
     res[name] = {"params": biggest_difference(net, ref), "loaded": biggest_difference(plain, net),
                  "wrapped": dpool.is_wrapped(model._forward_module), "is_dpool": isinstance(fabric.strategy, DpoolStrategy),
-                 "workers": len(model._forward_module.pids)}
+                 "workers": len(model._forward_module.pids), "held": len(held)}
     fabric.strategy.teardown()
 res["clean"] = clean()
 print("RESULT " + json.dumps(res))
@@ -140,6 +150,7 @@ def test_lightning_trainer_with_dpool_strategy_trains_like_one_device(results):
         assert r["params"] < 1e-5 and r["val_loss"] < 1e-5, r
         assert r["loaded"] == 0 and all(not k.startswith("module.") for k in r["keys"]) and "net.0.weight" in r["keys"]
         assert r["forwards_on_workers"] > 0 and r["closed"], r
+        assert r["held"] == 4, r  # 2 epochs of 4 batches, accumulated in pairs
     assert res["bf16"]["vs_one_device"] < 2e-2 < res["bf16"]["vs_fp32"] * 1e3, res["bf16"]
     assert res["steps_in_main"] and res["clean"]
 
@@ -149,7 +160,7 @@ def test_fabric_with_dpool_strategy_trains_like_one_device(results):
     for name in ("instance", "by_name"):
         r = res[name]
         assert r["params"] < 1e-5 and r["loaded"] == 0, r
-        assert r["wrapped"] and r["is_dpool"] and r["workers"] == 2, r
+        assert r["wrapped"] and r["is_dpool"] and r["workers"] == 2 and r["held"] == 4, r
     assert res["clean"]
 
 

@@ -47,9 +47,12 @@ def _workers_gone(pids) -> bool:
     return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
-def test_dpool_trainer_trains_evaluates_and_saves_like_the_trainer(tmp_path):
+def test_dpool_trainer_trains_evaluates_and_saves_like_the_trainer(tmp_path, monkeypatch):
     data = _classification_data()
     runs = {}
+    held = []  # the micro-batches run inside no_sync() (the parity below holds without it: this says it is used)
+    no_sync = dpool.DataParallel.no_sync
+    monkeypatch.setattr(dpool.DataParallel, "no_sync", lambda self: held.append(1) or no_sync(self))
     for name, cls, extra in (("plain", Trainer, {}), ("dpool", DpoolTrainer, {"device_ids": ["cpu", "cpu"]})):
         torch.manual_seed(0)
         model = BertForSequenceClassification(BertConfig(**_BERT))
@@ -59,6 +62,7 @@ def test_dpool_trainer_trains_evaluates_and_saves_like_the_trainer(tmp_path):
     (ref, ref_trainer, ref_eval, ref_pred), (model, trainer, evaluation, pred) = runs["plain"], runs["dpool"]
     assert trainer.model is model and dpool.is_wrapped(trainer.model_wrapped)
     assert _losses(trainer) == pytest.approx(_losses(ref_trainer), rel=1e-5) and len(_losses(trainer)) == 4
+    assert len(held) == 4  # gradient_accumulation_steps=2: the first of each step's two micro-batches
     _assert_same_parameters(model, ref)
     assert evaluation["eval_loss"] == pytest.approx(ref_eval["eval_loss"], rel=1e-5)
     torch.testing.assert_close(torch.as_tensor(pred.predictions), torch.as_tensor(ref_pred.predictions))
