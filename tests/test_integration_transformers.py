@@ -145,3 +145,16 @@ def test_a_wrapped_model_is_refused_at_construction(tmp_path):
     with dpool.wrap(model, ["cpu", "cpu"]) as wrapped:
         with pytest.raises(dpool.UnsupportedError, match="pass the bare model"):
             DpoolTrainer(model=wrapped, args=_args(tmp_path))
+
+
+def test_the_workers_stop_when_the_trainer_is_collected(tmp_path):
+    """A trainer dropped with its pool open (an exception out of a callback, a notebook cell run again)."""
+    import gc
+
+    model = BertForSequenceClassification(BertConfig(**_BERT))
+    trainer = DpoolTrainer(model=model, args=_args(tmp_path), device_ids=["cpu", "cpu"])
+    pids = trainer._wrap_model(trainer.model).pids  # what train() and evaluate() open first
+    assert len(pids) == 2 and not _workers_gone(pids)
+    del trainer
+    gc.collect()
+    assert _workers_gone(pids)
