@@ -1,6 +1,7 @@
 """Shared test helpers: running scripts as separate coordinator processes, snapshots."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -213,3 +214,20 @@ class CtrlC:
     def __exit__(self, *exc) -> None:
         sys.settrace(None)
         signal.signal(signal.SIGINT, self._handler)
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str):
+    """A tmpfs of ``size`` ("64m") mounted at ``path`` for the block (root only: elsewhere the test is skipped)."""
+    import pytest
+
+    os.makedirs(path, exist_ok=True)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(path)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs here ({exc}); run as root to test a full /dev/shm")
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True, timeout=30)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tmpfs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,17 +37,8 @@ def test_doctor_passes_here_and_runs_a_training_step():
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """An 8 MiB tmpfs (root only: elsewhere the test is skipped)."""
-    path = tmp_path / "shm"
-    path.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=1777", "tmpfs", str(path)], check=True,
-                       capture_output=True, timeout=30)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a small tmpfs here ({exc}); run as root")
-    try:
-        yield str(path)
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True, timeout=30)
+    with tmpfs(tmp_path / "shm", "8m") as path:
+        yield path
 
 
 def test_doctor_fails_on_a_shared_memory_directory_too_small(tiny_tmpfs):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import uuid
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 import dpool
+from tests.helpers import tmpfs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -21,18 +21,9 @@ ROW = 1024  # float32 features: 4 KiB a row
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 64 MiB tmpfs of its own (root only: elsewhere the test is skipped)."""
-    path = tmp_path / "shm"
-    path.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=1777", "tmpfs", str(path)], check=True,
-                       capture_output=True, timeout=30)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a small tmpfs here ({exc}); run as root to test a full /dev/shm")
-    try:
-        yield str(path)
-    finally:
+    with tmpfs(tmp_path / "shm", "64m") as path:
+        yield path
         left = os.listdir(path)
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True, timeout=30)
         assert not [n for n in left if n.startswith("dpool-")], left  # nothing of the pool's stays behind
 
 
