@@ -146,9 +146,10 @@ def _children(obj: Any) -> tuple[Any, Any, list[tuple[Any, Any]], str] | None:
 
 
 def unsent(module: torch.nn.Module) -> frozenset[str]:
-    """The attributes of ``module`` that pickling it does not send as they are: those its ``__getstate__``
-    drops or replaces (``nn.Module`` drops ``_compiled_call_impl``; a LightningModule sends ``_trainer`` as
-    ``None``). A replica never sees them, so their changes are not followed."""
+    """The attributes of ``module`` that pickling it does not send: those its ``__getstate__`` drops or sends as
+    ``None`` (``nn.Module`` drops ``_compiled_call_impl``; a LightningModule sends ``_trainer`` as ``None``). A
+    replica never sees them, so their changes are not followed. (A value it sends changed, a copy say, is
+    followed as any other: the replica gets what ``__getstate__`` makes of the new value.)"""
     d = module.__dict__
     if type(module).__getstate__ is torch.nn.Module.__getstate__:
         return _COMPILED if "_compiled_call_impl" in d else _NOTHING
@@ -158,7 +159,7 @@ def unsent(module: torch.nn.Module) -> frozenset[str]:
         return _NOTHING
     if not isinstance(state, dict):
         return _NOTHING
-    return frozenset(k for k, v in d.items() if k not in state or state[k] is not v)
+    return frozenset(k for k, v in d.items() if k not in state or (state[k] is None and v is not None))
 
 
 _COMPILED = frozenset({"_compiled_call_impl"})

@@ -1942,3 +1942,43 @@ def test_a_worker_restarted_while_no_sync_holds_gradients_never_joins_what_is_le
     ref(good[3]).sum().backward()
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+class _KeepsALog(nn.Module):
+    """A module whose __getstate__ drops what a replica never needs (as LightningModule sends its trainer as
+    None), and sends a copy of a setting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.log_rows: list = []  # changed every step, never read by forward
+        self.trainer = object()
+        self.scale = [1.0]
+
+    def forward(self, x):
+        return self.lin(x) * self.scale[0]
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("log_rows")
+        state["trainer"] = None
+        state["scale"] = list(self.scale)
+        return state
+
+
+def test_what_a_modules_getstate_does_not_send_is_not_followed_and_what_it_sends_is(wrap):
+    """A LightningModule's trainer changed at every step: followed, it shipped the model again each step, and
+    inside no_sync() the step was refused. What __getstate__ drops or sends as None never reaches a replica."""
+    net = _KeepsALog()
+    model = wrap(net)
+    x = torch.randn(4, 3)
+    model(x)
+    with model.no_sync():
+        for i in range(3):
+            net.log_rows.append(i)  # dropped by __getstate__: not a change of the replicas
+            net.trainer = object()  # sent as None: not one either
+            model(x).sum().backward()
+    model(x).sum().backward()
+    assert model.stats()["restarts"] == 0
+    net.scale[0] = 3.0  # sent (as a copy): followed, as before
+    torch.testing.assert_close(model(x), net(x))

@@ -2,5 +2,8 @@
 
 * :mod:`dpool.integrations.transformers`: ``DpoolTrainer``, ``DpoolTrainerMixin`` (HF Trainer)
 * :mod:`dpool.integrations.lightning`: ``DpoolStrategy`` (Lightning's Trainer and Fabric)
-* :mod:`dpool.integrations.accelerate`: the check that refuses DDP around a dpool model
+
+accelerate needs no module of its own: a dpool model goes through ``prepare()`` in one process, and the
+DistributedDataParallel that a multi-process run would put around it is refused by the model itself
+(``dpool.wrapper.DataParallel._ddp_params_and_buffers_to_ignore``).
 """
