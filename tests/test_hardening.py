@@ -84,6 +84,18 @@ def test_shared_memory_refusal_counts_only_what_a_call_adds_and_the_pool_recover
 
 
 # ------------------------------------------------------------------------------- faults at any moment
+# the end of both chaos scripts: a one-process replay of the steps that succeeded, and how far the master is from it
+_REPLAY = """
+opt.zero_grad()
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+for j in ok:  # a single-process replay of exactly the steps that succeeded
+    x, y = batches[j]
+    (ref(x) - y).pow(2).mean().backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+diff = max(float((p - q).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))
+"""
+
 CHAOS = """
 import copy, json, os, random, signal, threading, time
 import psutil, torch
@@ -156,15 +168,7 @@ for attempt in range(3):  # the pool is usable after it all (a last fault may le
         opt.zero_grad()
 else:
     raise AssertionError("the pool did not recover after the faults stopped")
-opt.zero_grad()
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-for j in ok:  # a single-process replay of exactly the steps that succeeded
-    x, y = batches[j]
-    (ref(x) - y).pow(2).mean().backward()
-    ref_opt.step()
-    ref_opt.zero_grad()
-diff = max(float((p - q).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))
-restarts = model.stats()["restarts"]
+""" + _REPLAY + """restarts = model.stats()["restarts"]
 model.close()
 print("RESULT " + json.dumps({{"ok": len(ok), "failed": failed, "faults": len(faults), "diff": diff,
                               "restarts": restarts, "errors": sorted(errors), "worst_s": worst}}))
@@ -450,15 +454,7 @@ for attempt in range(20):  # the daemon pool is usable again once it replaced wh
         time.sleep(0.5)
 else:
     raise AssertionError("the daemon pool did not recover after the faults stopped")
-opt.zero_grad()
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-for j in ok:  # a single-process replay of exactly the steps that succeeded
-    x, y = batches[j]
-    (ref(x) - y).pow(2).mean().backward()
-    ref_opt.step()
-    ref_opt.zero_grad()
-diff = max(float((p - q).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))
-print("RESULT " + json.dumps({{"ok": len(ok), "failed": failed, "faults": len(faults), "diff": diff,
+""" + _REPLAY + """print("RESULT " + json.dumps({{"ok": len(ok), "failed": failed, "faults": len(faults), "diff": diff,
                               "worst_s": worst}}))
 """
 
