@@ -18,6 +18,8 @@ class Stats:
         self.restarts = 0
         self.backward_rounds_saved = 0  # backwards a criterion's workers had already run (see dpool.loss)
         self.forward_rounds_saved = 0  # forwards that went to the workers with their loss (coordinator._Deferred)
+        # forwards that ran the latest step plan, forwards that built one, and why the latest was built
+        self.plan = {"hits": 0, "rebuilds": 0, "last_rebuild": ""}
         self.rows: list[int] = []
         self.forward_ms = [0.0] * n
         self.backward_ms = [0.0] * n
@@ -83,5 +85,5 @@ class Stats:
             workers.append(w)
         return {"steps": self.steps, "restarts": self.restarts, "shard_rows": list(self.rows), "workers": workers,
                 "bytes_per_step": dict(self.bytes), "backward_rounds_saved": self.backward_rounds_saved,
-                "forward_rounds_saved": self.forward_rounds_saved,
+                "forward_rounds_saved": self.forward_rounds_saved, "plan": dict(self.plan),
                 "round_ms": {kind: round(ms, 3) for kind, ms in self.round_ms.items()}, "rounds_spun": rounds_spun}

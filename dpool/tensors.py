@@ -17,7 +17,7 @@ from .errors import DpoolTypeError
 from .protocol import TensorMeta
 from .transport import align
 
-__all__ = ["DTYPES", "dtype_name", "check_tensor", "nbytes", "Placer", "to_bytes", "from_bytes", "dense_strides", "describe"]
+__all__ = ["DTYPES", "dtype_name", "check_tensor", "transportable", "nbytes", "Placer", "to_bytes", "from_bytes", "dense_strides", "describe"]
 
 _CANDIDATES = [
     "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
@@ -72,10 +72,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def transportable(t: torch.Tensor) -> bool:
+    """Whether dpool can move ``t`` through shared memory (quantized dtypes are not in ``_NAMES``)."""
+    return type(t) in _PLAIN and t.layout == torch.strided and t.dtype in _NAMES and not (t.is_nested or t.is_meta)
+
+
 def check_tensor(t: torch.Tensor, what: str) -> None:
     """Raise ``TypeError`` for tensors dpool cannot move through shared memory."""
-    if type(t) in _PLAIN and t.layout == torch.strided and t.dtype in _NAMES and not (t.is_nested or t.is_meta):
-        return  # fast path; quantized dtypes are not in _NAMES
+    if transportable(t):
+        return
     if t.layout != torch.strided:
         raise DpoolTypeError(f"{what}: dpool only transports dense (strided) tensors, got layout {t.layout}; "
                         "call .to_dense() first")

@@ -473,7 +473,7 @@ crit, ce = dpool.criterion(nn.CrossEntropyLoss()), nn.CrossEntropyLoss()
 t = torch.randint(0, 3, (6,))
 crit(lossy(x), t).backward()  # (its first call sends what first calls send: not a point the trials reach)
 lossy.module.zero_grad()
-fused = [fwd.Forwards.run, loss_round.LossRound.criterion, deferred.Deferred.forward_and_loss,
+fused = [fwd.Forwards.run, fwd.Forwards._plan, loss_round.LossRound.criterion, deferred.Deferred.forward_and_loss,
          fwd.Forwards.finish, fwd.Forwards._gather_or_keep, deferred.Deferred.check, deferred.Deferred.run,
          deferred.Deferred._run_alone]
 fused_positions = CtrlC.positions(fused, lambda: (lossy(x), crit(lossy(x), t).backward()))

@@ -1,7 +1,7 @@
 """One training step, coordinator side: :class:`Runtime` and the stages it composes.
 
 Read the code in this order: ``runtime`` (the facade) → ``forward`` → ``deferred`` → ``loss_round`` →
-``backward``, then what they share: ``rounds`` (requests, restarts) → ``replicas`` (binding, shipping,
+``backward``, then what they share: ``plan`` (what a forward like the last one reuses) → ``rounds`` (requests, restarts) → ``replicas`` (binding, shipping,
 worker memory) → ``follow`` (the user's process) → ``state`` (the step's state) → ``hints`` (error text).
 
 ``CUT_POINTS`` lists every function of this package that runs during a step (a forward, a loss on the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from . import backward as _backward, deferred as _deferred, follow as _follow, forward as _forward
 from . import loss_round as _loss_round, replicas as _replicas, rounds as _rounds, runtime as _runtime
-from . import state as _state
+from . import plan as _plan, state as _state
 from .runtime import Runtime
 
 __all__ = ["Runtime", "CUT_POINTS"]
@@ -23,13 +23,14 @@ CUT_POINTS = (
     _runtime.Runtime.backward_speculated, _runtime.Runtime.gather_kept, _runtime.Runtime.call_workers,
     _runtime.Runtime.params, _runtime.Runtime.dim, _runtime.Runtime.n, _runtime.Runtime.output_device,
     _runtime.Runtime.no_sync, _runtime.Runtime._synced,
-    _forward.Forwards.run, _forward.Forwards._follow, _forward.Forwards._flags, _forward.Forwards._begin_across,
+    _forward.Forwards.run, _forward.Forwards._follow, _forward.Forwards._plan, _forward.Forwards._flags, _forward.Forwards._begin_across,
     _forward.Forwards._reserve, _forward.Forwards._messages, _forward.Forwards._defers, _forward.Forwards.drop,
     _forward.Forwards.failed, _forward.Forwards.finish, _forward.Forwards._call_state,
     _forward.Forwards._gather_or_keep, _forward.Forwards._commit, _forward.Planned.__init__, _forward.Planned.rows,
     _forward.Planned.output, _forward.Unrun.__init__, _forward.Pending.__init__,
     _forward.Planned.diff_inputs, _forward.Unrun.check, _forward.reserve, _forward.write, _forward.out_shapes,
     _forward.loss_dtype,
+    _plan.signature, _plan.layout, _plan.Plan.__init__, _plan.Plan.place, _plan.Plans.get, _plan.Plans.keep,
     _deferred.Deferred.synced, _deferred.Deferred.run, _deferred.Deferred._run_alone,
     _deferred.Deferred.refuse_changed, _deferred.Deferred.check, _deferred.Deferred.forward_and_loss,
     _deferred.changed_since,

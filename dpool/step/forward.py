@@ -29,8 +29,9 @@ from ..replicate import Master
 from ..stats import Stats
 from ..tensors import DTYPES, Placer, dtype_name, meta_nbytes, nbytes
 from ..transport.shm import check_free
-from . import follow
+from . import follow, plan as _plan
 from .follow import Notices
+from .plan import Plan, Plans
 from .replicas import ReplicaSet
 from .rounds import Rounds
 from .state import Setup, StepState
@@ -51,27 +52,25 @@ def reserve(tensors: Sequence[torch.Tensor | None]) -> tuple[list[int | None], i
     return [placer.reserve(t) if t is not None else None for t in tensors], placer.offset
 
 
-def write(views: Any, start: int, offs: Sequence[int | None], tensors: Sequence[torch.Tensor | None],
-          rg: Sequence[bool] | None = None) -> list[Any]:
+def write(views: Any, start: int, offs: Sequence[int | None], tensors: Sequence[torch.Tensor | None]) -> list[Any]:
     """Copy ``tensors`` to ``start + offs`` of a segment (its view cache ``views``): their metas."""
-    if rg is None:
-        return [Placer.write(views, start + o, t) if t is not None and o is not None else None
-                for o, t in zip(offs, tensors)]
-    return [Placer.write(views, start + o, t, r) for o, t, r in zip(offs, tensors, rg)]  # type: ignore[operator]
+    return [Placer.write(views, start + o, t) if t is not None and o is not None else None
+            for o, t in zip(offs, tensors)]
 
 
 class Planned:
     """A forward whose messages are built: what the rest of it needs once its round's replies are in."""
 
     __slots__ = ("call", "k", "splits", "shards", "tensors", "rg", "grad", "spans", "gin_sizes", "nodes", "versions",
-                 "handle")
+                 "handle", "plan")
 
-    def __init__(self, call: int, k: int, splits: list, shards: list, tensors: list[torch.Tensor], rg: list[bool],
-                 grad: bool, nodes: Any) -> None:
-        self.call, self.k, self.splits, self.shards, self.tensors, self.rg = call, k, splits, shards, tensors, rg
-        self.grad, self.nodes = grad, nodes
+    def __init__(self, call: int, plan: Plan, shards: list, tensors: list[torch.Tensor], grad: bool,
+                 nodes: Any) -> None:
+        self.call, self.k, self.splits, self.shards, self.tensors, self.rg = call, plan.k, plan.splits, shards, \
+            tensors, plan.rg
+        self.grad, self.nodes, self.plan = grad, nodes, plan
         self.spans: list[tuple[Any, int, int]] = []  # each shard's inputs in its segment
-        self.gin_sizes: list[int] = []  # each shard's input gradients' bytes
+        self.gin_sizes: list[int] = plan.gin_sizes  # each shard's input gradients' bytes
         self.versions: list[int] | None = None  # the parameters' versions when the forward was called (deferred)
         # a deferred forward's output, filled in when it runs; weakly: the runtime keeps the pending forward, and
         # the output keeps the runtime (a cycle would keep a model dropped without close() alive until the GC)
@@ -119,6 +118,7 @@ class Forwards:
         self.setup, self.state, self.config, self.pool, self.io, self.graphs = setup, state, config, pool, io, graphs
         self.stats, self.balancer, self.master, self.replicas, self.rounds = stats, balancer, master, replicas, rounds
         self.notices, self.defer = notices, defer
+        self.plans = Plans(stats.plan)  # the latest step plan (dpool.step.plan)
         self._rank0_buffers: torch.Tensor | None = None  # cross-node, buffers="first": staging for the broadcast
 
     def run(self, host: Host, args: tuple, kwargs: dict, synced: bool, call_all: Callable[[Any], Any]) -> Any:
@@ -129,28 +129,26 @@ class Forwards:
         spec = _tree.flatten((tuple(args), dict(kwargs)), tensors)
         if follow.in_dual_level():
             follow.refuse_dual(tensors)
-        k, splits = _scatter.plan(tensors, setup.n, setup.dim, self.balancer.weights())
-        state.last_rows = next((sizes for sizes in splits if sizes is not None), None)
-        shards = _scatter.shard_views(tensors, splits, k, setup.dim)
         grad = torch.is_grad_enabled()
-        rg = [grad and t.requires_grad for t in tensors]
         flags = self._flags()
+        plan, shards = self._plan(spec, tensors, grad, flags, synced)
+        state.last_rows = next((sizes for sizes in plan.splits if sizes is not None), None)
         call = self.graphs.new_call()
         pool.step += 1
         nodes = setup.nodes if synced else None
         if nodes is not None:
             self._begin_across(nodes)
         seed = state.draw_seed()
-        f = Planned(call, k, splits, shards, tensors, rg, grad, nodes)
-        layouts = self._reserve(f)
+        f = Planned(call, plan, shards, tensors, grad, nodes)
+        self._reserve(f)
         if setup.cuda:
             self.replicas.push()
-        together = pool.together(k)  # reply together ([] unless the pool asks for it, see Pool.together)
+        together = pool.together(f.k)  # reply together ([] unless the pool asks for it, see Pool.together)
         try:
             # Calls collected here must reach the workers with this request, or be released again (every
             # path out of here that may not have told every worker does), or the workers keep their graphs.
             release = self.graphs.collect(io.release)
-            msgs = self._messages(f, layouts, spec, flags, release, seed, together)
+            msgs = self._messages(f, spec, flags, release, seed, together)
         except BaseException:
             self.rounds.unsent()
             self.graphs.retell()
@@ -159,7 +157,7 @@ class Forwards:
         # for release reach the workers or are told again)
         try:
             if self._defers(f):  # held until its loss (see dpool.step.deferred): the targets go after these inputs
-                for s in range(k):
+                for s in range(f.k):
                     io.keep(s, call, f.spans[s])
                 f.versions = [p._version for p in self.master.params]
                 handle = ShardedOutput(host, Unrun(f), None, f.diff_inputs())
@@ -186,6 +184,29 @@ class Forwards:
         follow.follow_numerics(self.state, call_all)
         if self.setup.cuda:
             follow.follow_backend_flags(self.state, call_all)
+
+    def _plan(self, spec: Any, tensors: list[torch.Tensor], grad: bool, flags: tuple,
+              synced: bool) -> tuple[Plan, list[list[torch.Tensor]]]:
+        """This forward's plan (the latest one if its signature is this forward's, see :mod:`dpool.step.plan`),
+        and its shards."""
+        setup = self.setup
+        training, requires_grad, autocast = flags
+        shares = self.balancer.weights()
+        key = _plan.signature(spec, tensors, grad, autocast, training, requires_grad, self.replicas.version, shares,
+                              self.replicas.layout.buffer_range is not None, self.state.no_sync, synced)
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan, _scatter.shard_views(tensors, plan.splits, plan.k, setup.dim)
+        k, splits = _scatter.plan(tensors, setup.n, setup.dim, shares)
+        shards = _scatter.shard_views(tensors, splits, k, setup.dim)
+        rg = [grad and t.requires_grad for t in tensors]
+        params = self.master.params
+        plan = Plan(key, k, splits, rg, [_plan.layout(shards[s]) for s in range(k)],
+                    [reserve([t for t, r in zip(shards[s], rg) if r])[1] for s in range(k)],
+                    [i for i, p in enumerate(params) if p.requires_grad] if grad else [],
+                    [[t.shape for t in shards[s]] for s in range(k)], sum(nbytes(t) for sh in shards for t in sh))
+        self.plans.keep(plan)
+        return plan, shards
 
     def _flags(self) -> tuple[bytes, bytes, list | None]:
         """The modules' training flags, the parameters' requires_grad flags, and autocast, as sent."""
@@ -220,19 +241,17 @@ class Forwards:
             nodes.broadcast(theirs, "taking rank 0's buffers")
             mine.copy_(theirs)
 
-    def _reserve(self, f: Planned) -> list[tuple[list, int]]:
-        """Each shard's layout in its input segment; the space all shards' new segments need is checked
-        before any is made. Only what this call really adds counts: the input spans of calls whose graphs
-        are gone are freed first (they are told to the workers with this call's request, or the next)."""
+    def _reserve(self, f: Planned) -> None:
+        """The space all shards' new input segments need is checked before any is made. Only what this call
+        really adds counts: the input spans of calls whose graphs are gone are freed first (they are told to
+        the workers with this call's request, or the next)."""
         self.graphs.collect(self.io.release, take=False)
-        layouts = [reserve(f.shards[s]) for s in range(f.k)]
-        grow = sum(self.io.input_growth(s, need) for s, (_, need) in enumerate(layouts))
+        grow = sum(self.io.input_growth(s, need) for s, (_, need) in enumerate(f.plan.layouts))
         if grow and not self.setup.cuda:
             check_free(self.config.shm_dir, grow)
-        return layouts
 
-    def _messages(self, f: Planned, layouts: list[tuple[list, int]], spec: Any, flags: tuple, release: list,
-                  seed: int, together: list) -> dict[int, P.Message]:
+    def _messages(self, f: Planned, spec: Any, flags: tuple, release: list, seed: int,
+                  together: list) -> dict[int, P.Message]:
         """Place each shard's inputs in its segment, and build its message."""
         setup, io = self.setup, self.io
         training, requires_grad, autocast = flags
@@ -242,11 +261,10 @@ class Forwards:
         sync_buffers = self.replicas.layout.buffer_range is not None
         msgs: dict[int, P.Message] = {}
         for s in range(f.k):
-            offs, need = layouts[s]
+            need = f.plan.layouts[s][1]
             seg, start = io.input_region(s, need)
-            metas = write(seg.views, start, offs, f.shards[s], f.rg)
+            metas = f.plan.place(s, seg, start, f.shards[s])
             f.spans.append((seg, start, start + need))
-            f.gin_sizes.append(reserve([t for t, r in zip(f.shards[s], f.rg) if r])[1])
             out = io.ensure(s, "out", 0)
             msgs[s] = P.Forward(call=f.call, step=self.pool.step, grad=f.grad, training=training,
                                 requires_grad=requires_grad, sync_buffers=sync_buffers, inputs=seg.ref(),
@@ -307,14 +325,13 @@ class Forwards:
 
     def _call_state(self, host: Host, f: Planned, replies: dict[int, Any]) -> CallState:
         params = self.master.params
-        diff_inputs = f.diff_inputs()
-        diff_idx = [i for i, p in enumerate(params) if p.requires_grad] if f.grad else []
         return CallState(
             host, f.call, f.k, _gather.tensor_groups([replies[s].tree for s in range(f.k)]),
             [replies[s].tensors for s in range(f.k)], [self.io.segment(s, "out") for s in range(f.k)], f.splits,
-            f.gin_sizes, f.rg, [[t.shape for t in f.shards[s]] for s in range(f.k)],
+            f.gin_sizes, f.rg, f.plan.shapes,
             fseq=self.setup.nodes.fseq if self.setup.nodes is not None else 0,  # the forward its backward names
-            diff_inputs=diff_inputs, diff_idx=diff_idx, params=params,  # (what a double backward differentiates)
+            diff_inputs=f.diff_inputs(), diff_idx=f.plan.diff_idx, params=params,  # (what a double backward
+            # differentiates)
             versions=f.versions if f.versions is not None else [p._version for p in params] if f.grad else [],
         )
 
@@ -349,7 +366,7 @@ class Forwards:
         """Every shard succeeded: count the round, and let its buffer updates reach the master (buffers.py)."""
         k, replicas = f.k, self.replicas
         busy = [replies[s].busy for s in range(k)]
-        self.stats.forward(rows, busy, sum(nbytes(t) for sh in f.shards for t in sh),
+        self.stats.forward(rows, busy, f.plan.nbytes,
                            sum(meta_nbytes(m) for ms in out_metas for m in ms) if self.setup.gather_outputs else 0)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: forward of %d shards (rows %s), workers busy %s ms", self.pool.step, k, rows,

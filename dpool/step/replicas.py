@@ -77,6 +77,7 @@ class ReplicaSet:
         self.speculable = False  # a criterion's backward may run with its loss (dpool.step.loss_round)
         self._model_bytes = b""
         self._resyncs, self._resynced_at = 0, -1  # re-syncs on consecutive forwards, the forward of the latest
+        self.version = 0  # moved by every shipping and restart: the replicas a step plan was made for
 
     # ------------------------------------------------------------------ start
     def start(self, call: Call) -> None:
@@ -128,6 +129,7 @@ class ReplicaSet:
 
     def ship(self, call: Call, by_name: bool) -> None:
         """Build every worker's replica from the pickled master module."""
+        self.version += 1
         for i in range(self.setup.n):
             self._new_memory(i)
         self.init_workers(range(self.setup.n), call, by_name=by_name)
@@ -214,6 +216,7 @@ class ReplicaSet:
         # Graphs kept by the dead worker are gone: calls made so far can no longer be backpropagated.
         self.graphs.lose_all()
         self.state.slots.bump("restart")  # (first, so that a cut restart leaves no speculative result valid)
+        self.version += 1
         self.pool.respawn(indices)
         for i in indices:
             self._new_memory(i)

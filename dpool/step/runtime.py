@@ -285,10 +285,15 @@ class Runtime:
         self.pool.close()
         if self.setup.nodes is not None:
             self.setup.nodes.close()
-        # Drop every reference to shared memory: a graph or output the user still holds keeps this
-        # object alive, but not the mappings (each one also holds an fd; see close() in DataParallel).
+        self._drop_shared_memory()
+        self.state.closed = True
+
+    def _drop_shared_memory(self) -> None:
+        """Drop every reference to shared memory: a graph or output the user still holds keeps this object
+        alive, but not the mappings (each one also holds an fd; see close() in DataParallel)."""
         self.io.clear()
         self.graphs.clear()
+        if "forwards" in self.__dict__:
+            self.forwards.plans.clear()  # (its placements view the input segments)
         if "replicas" in self.__dict__:
             self.replicas.close()
-        self.state.closed = True
