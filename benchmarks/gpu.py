@@ -3,6 +3,7 @@
     python benchmarks/gpu.py                      # every workload, every setup
     python benchmarks/gpu.py --workloads probe --steps 50 --repeats 5
     python benchmarks/gpu.py --breakdown resnet --setups single,dpool1,dpool   # time per phase
+    python benchmarks/gpu.py --trace traces/ --setups single,dpool1,dpool      # profiler traces, GPU idle
 
 Setups (all on cuda:0, inputs already on the GPU, fp32, SGD with momentum):
   single   the module in this process
@@ -21,6 +22,12 @@ noise hits each setup alike; each repeat times --steps full steps and ends with 
 The table reports the median samples/s and step time, and for dpool its framework cost per step:
 the step time minus the slower worker's forward+backward (``model.stats()``). Multi-GPU speed-up
 cannot be measured on one GPU, and this benchmark does not claim it.
+
+``--trace DIR`` runs a few steps of each setup under ``torch.profiler`` instead, in this process and (for
+dpool) in every worker, writes each process's Chrome trace to ``DIR/<workload>-<setup>-<process>.json``,
+and reports per setup the GPU's idle fraction over the steady steps (the time no kernel, copy or memset of
+any of those processes ran, over the steps' wall time) and the framework cost (the step time minus a
+single process's, at the same batch).
 """
 from __future__ import annotations
 
@@ -186,6 +193,98 @@ def breakdown(r: Runner, steps: int, warmup: int) -> None:
     r.close()
 
 
+STEP_MARK = "dpool-bench-step"  # the profiler range around each traced step
+
+
+def _start_profiler(_model: Any = None) -> None:
+    """Start a CUDA profiler in this process (a worker's, through ``call_workers``; kept on the torch module)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    prof.__enter__()
+    torch._dpool_bench_profiler = prof  # type: ignore[attr-defined]
+
+
+def _stop_profiler(path: str, _model: Any = None) -> str:
+    """Stop the profiler :func:`_start_profiler` started, and write its Chrome trace to ``path`` (``{pid}``
+    replaced by this process's)."""
+    path = path.format(pid=os.getpid())
+    torch.cuda.synchronize()
+    prof = torch._dpool_bench_profiler  # type: ignore[attr-defined]
+    prof.__exit__(None, None, None)
+    prof.export_chrome_trace(path)
+    return path
+
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def trace_intervals(trace: dict) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """From one Chrome trace: the GPU activities' ``(start, end)`` and the step ranges', in microseconds on
+    the clock every process of a machine shares (each trace's ``baseTimeNanoseconds`` added)."""
+    base = trace.get("baseTimeNanoseconds", 0) / 1e3
+    gpu, steps = [], []
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X" or "dur" not in ev:
+            continue
+        span = (base + float(ev["ts"]), base + float(ev["ts"]) + float(ev["dur"]))
+        if ev.get("cat") in GPU_CATEGORIES:
+            gpu.append(span)
+        elif ev.get("name") == STEP_MARK:
+            steps.append(span)
+    return gpu, steps
+
+
+def idle_fraction(gpu: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """The fraction of ``window`` during which none of the ``gpu`` intervals (of any process) ran."""
+    start, end = window
+    busy, reach = 0.0, start
+    for a, b in sorted(gpu):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            busy += b - a
+            reach = b
+    return 1.0 - busy / (end - start) if end > start else 0.0
+
+
+def trace(r: "Runner", workload: str, steps: int, warmup: int, out: str) -> dict[str, Any]:
+    """Profile ``steps`` steps of ``r`` after ``warmup``: the traces written, the GPU's idle fraction over the
+    steps after the first, and the step time."""
+    os.makedirs(out, exist_ok=True)
+    r.run(warmup)
+    runtime = getattr(r.model, "_runtime", None)
+    if runtime is not None:
+        runtime.call_workers(_start_profiler)
+    _start_profiler()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        x, y = r.data[i % len(r.data)]
+        with torch.profiler.record_function(STEP_MARK):
+            r.opt.zero_grad(set_to_none=True)
+            F.cross_entropy(r.model(x), y).backward()
+            r.opt.step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    paths = [_stop_profiler(os.path.join(out, f"{workload}-{r.setup}-coordinator.json"))]
+    if runtime is not None:
+        import functools
+
+        paths += runtime.call_workers(functools.partial(_stop_profiler,
+                                                        os.path.join(out, f"{workload}-{r.setup}-worker-{{pid}}.json")))
+    gpu: list[tuple[float, float]] = []
+    steps_seen: list[tuple[float, float]] = []
+    for p in paths:
+        with open(p) as f:
+            g, st = trace_intervals(json.load(f))
+        gpu += g
+        steps_seen += st
+    steps_seen.sort()
+    window = (steps_seen[1][0], steps_seen[-1][1]) if len(steps_seen) > 1 else (0.0, 0.0)
+    return {"workload": workload, "setup": r.setup, "ms_step": ms, "gpu_idle": idle_fraction(gpu, window),
+            "traces": paths}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--workloads", default="resnet,encoder,probe")
@@ -198,7 +297,31 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: cProfile the coordinator of dpool on WORKLOAD for --steps steps")
     ap.add_argument("--breakdown", default=None, metavar="WORKLOAD",
                     help="instead: where a step's time goes on WORKLOAD, phase by phase, for each of --setups")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="instead: profiler traces of a few steps of each of --setups on each of --workloads, "
+                         "written to DIR, with the GPU's idle fraction and the framework cost")
     args = ap.parse_args(argv)
+    if args.trace:
+        torch.set_num_threads(1)
+        rows = []
+        for wname in args.workloads.split(","):
+            single_ms = None
+            for s in args.setups.split(","):
+                r = Runner(s, wname)
+                try:
+                    row = trace(r, wname, min(args.steps, 10), args.warmup, args.trace)
+                finally:
+                    r.close()
+                if s == "single":
+                    single_ms = row["ms_step"]
+                row["framework_ms"] = None if single_ms is None else row["ms_step"] - single_ms
+                rows.append(row)
+                cost = "" if row["framework_ms"] is None else f", framework {row['framework_ms']:.2f} ms"
+                print(f"{wname} {s}: {row['ms_step']:.2f} ms/step, GPU idle {row['gpu_idle']:.1%}{cost} "
+                      f"({len(row['traces'])} traces)", flush=True)
+        with open(os.path.join(args.trace, "summary.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        return 0
     if args.breakdown:
         torch.set_num_threads(1)
         for s in args.setups.split(","):

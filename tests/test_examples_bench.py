@@ -205,3 +205,29 @@ def test_minimal_floor_trains_what_one_process_trains_and_leaves_nothing():
             f.close()
     left = set(glob.glob("/dev/shm/dpool-minimal-*")) | set(glob.glob("/tmp/dpool-minimal-*"))
     assert all(not f.procs for f in floors) and len(floors) == 2 and left == files
+
+
+def test_gpu_trace_idle_fraction_merges_every_process_on_one_clock():
+    """benchmarks/gpu.py --trace: a GPU activity of any process covers the window; traces on other bases
+    are put on one clock; overlaps count once; what is outside the window does not count."""
+    from benchmarks import gpu
+
+    coordinator = {"baseTimeNanoseconds": 1_000_000, "traceEvents": [
+        {"ph": "X", "name": gpu.STEP_MARK, "ts": 0, "dur": 100},
+        {"ph": "X", "name": gpu.STEP_MARK, "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 150, "dur": 10},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 120, "dur": 50}]}  # host time: not the GPU's
+    worker = {"baseTimeNanoseconds": 1_100_000, "traceEvents": [  # 100 us later
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 20, "dur": 40},  # 1120-1160
+        {"ph": "X", "cat": "gpu_memcpy", "name": "c", "ts": 40, "dur": 30},  # 1140-1170 (overlaps)
+        {"ph": "X", "cat": "kernel", "name": "late", "ts": 500, "dur": 10}]}  # after the window
+    gpu_spans, steps = [], []
+    for trace in (coordinator, worker):
+        g, st = gpu.trace_intervals(trace)
+        gpu_spans += g
+        steps += st
+    assert sorted(steps) == [(1000.0, 1100.0), (1100.0, 1200.0)]
+    window = (1100.0, 1200.0)  # the steady steps: after the first
+    # busy: 1120-1170 (two overlapping activities, counted once); the coordinator's 1150-1160 is inside it
+    assert gpu.idle_fraction(gpu_spans, window) == pytest.approx(0.5)
+    assert gpu.idle_fraction([], window) == 1.0

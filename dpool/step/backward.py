@@ -7,6 +7,7 @@ over them too) and returns them to autograd. Under ``no_sync()`` the workers hol
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from ..stats import Stats
 from ..tensors import read
 from .deferred import changed_since
 from .follow import Notices
-from .forward import reserve, write
+from .plan import Placements, shapes_of
 from .replicas import ReplicaSet
 from .rounds import Rounds
 from .state import Setup, StepState
@@ -47,6 +48,7 @@ class Backwards:
         self.setup, self.state, self.pool, self.io, self.graphs = setup, state, pool, io, graphs
         self.stats, self.balancer, self.master, self.replicas, self.rounds = stats, balancer, master, replicas, rounds
         self.held, self.notices = held, notices
+        self.gouts = Placements(setup.n)  # each shard's output gradients, where they went last
 
     def holds(self) -> bool:
         """Whether a backward now keeps its parameter gradients on the workers: under ``no_sync()``, unless
@@ -173,9 +175,8 @@ class Backwards:
                                  sparse=sparse.ref() if sparse is not None else [None, 0], keep_as=0,
                                  requires_grad=flags, together=together, drop=drop)
         for s in range(k):
-            offs, need = reserve(per_shard[s])
-            seg = io.ensure(s, "gout", need)
-            gmetas = write(seg.views, 0, offs, per_shard[s])
+            gmetas, seg, _, _ = self.gouts.place(s, per_shard[s], functools.partial(_at_start, io, s, "gout"),
+                                                 shapes_of(per_shard[s]))
             gin = io.ensure(s, "gin", gin_sizes[s])
             sparse = io.segment(s, "sparse")
             msgs[s] = P.Backward(call=call, step=pool.step, grads=seg.ref(), grad_tensors=gmetas,
@@ -305,3 +306,8 @@ class Backwards:
         param_grads, replies = self.round(double.call, double.k, per_shard, gin_sizes, 0, False)
         return double.results([replies[s].input_grads for s in range(double.k)],
                               [param_grads[i] for i in double.state.diff_idx])
+
+
+def _at_start(io: IORegions, s: int, role: str, need: int) -> tuple[Any, int]:
+    """Worker ``s``'s segment for ``role``, grown to ``need`` bytes, from its start."""
+    return io.ensure(s, role, need), 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -27,7 +27,7 @@ from ..pool import Pool
 from ..regions import IORegions
 from ..replicate import Master
 from ..stats import Stats
-from ..tensors import DTYPES, Placer, dtype_name, meta_nbytes, nbytes
+from ..tensors import DTYPES, dtype_name, meta_nbytes, nbytes
 from ..transport.shm import check_free
 from . import follow, plan as _plan
 from .follow import Notices
@@ -36,7 +36,7 @@ from .replicas import ReplicaSet
 from .rounds import Rounds
 from .state import Setup, StepState
 
-__all__ = ["Forwards", "Planned", "Unrun", "Pending", "reserve", "write", "EARLIER_FORWARD"]
+__all__ = ["Forwards", "Planned", "Unrun", "Pending", "EARLIER_FORWARD"]
 
 log = logging.getLogger("dpool")
 
@@ -44,18 +44,6 @@ log = logging.getLogger("dpool")
 # not the model(x) that failed (in one process, model(x) itself would have raised)
 EARLIER_FORWARD = ("forward of an earlier model(x) call, which with gather=False waited for its loss and ran "
                    "only now, before this call")
-
-
-def reserve(tensors: Sequence[torch.Tensor | None]) -> tuple[list[int | None], int]:
-    """Offsets of ``tensors`` laid out back to back (``None`` stays ``None``), and the bytes they take."""
-    placer = Placer()
-    return [placer.reserve(t) if t is not None else None for t in tensors], placer.offset
-
-
-def write(views: Any, start: int, offs: Sequence[int | None], tensors: Sequence[torch.Tensor | None]) -> list[Any]:
-    """Copy ``tensors`` to ``start + offs`` of a segment (its view cache ``views``): their metas."""
-    return [Placer.write(views, start + o, t) if t is not None and o is not None else None
-            for o, t in zip(offs, tensors)]
 
 
 class Planned:
@@ -201,8 +189,8 @@ class Forwards:
         shards = _scatter.shard_views(tensors, splits, k, setup.dim)
         rg = [grad and t.requires_grad for t in tensors]
         params = self.master.params
-        plan = Plan(key, k, splits, rg, [_plan.layout(shards[s]) for s in range(k)],
-                    [reserve([t for t, r in zip(shards[s], rg) if r])[1] for s in range(k)],
+        plan = Plan(key, k, splits, rg, [_plan.need(shards[s]) for s in range(k)],
+                    [_plan.need([t for t, r in zip(shards[s], rg) if r]) for s in range(k)],
                     [i for i, p in enumerate(params) if p.requires_grad] if grad else [],
                     [[t.shape for t in shards[s]] for s in range(k)], sum(nbytes(t) for sh in shards for t in sh))
         self.plans.keep(plan)
@@ -246,7 +234,7 @@ class Forwards:
         really adds counts: the input spans of calls whose graphs are gone are freed first (they are told to
         the workers with this call's request, or the next)."""
         self.graphs.collect(self.io.release, take=False)
-        grow = sum(self.io.input_growth(s, need) for s, (_, need) in enumerate(f.plan.layouts))
+        grow = sum(self.io.input_growth(s, need) for s, need in enumerate(f.plan.needs))
         if grow and not self.setup.cuda:
             check_free(self.config.shm_dir, grow)
 
@@ -260,10 +248,10 @@ class Forwards:
         world = f.k if setup.nodes is None else f.k + setup.nodes.size - 1
         sync_buffers = self.replicas.layout.buffer_range is not None
         msgs: dict[int, P.Message] = {}
+        inputs = f.plan.inputs
         for s in range(f.k):
-            need = f.plan.layouts[s][1]
-            seg, start = io.input_region(s, need)
-            metas = f.plan.place(s, seg, start, f.shards[s])
+            # (key (): the plan's own placements, of the dtypes and shapes its signature fixed)
+            metas, seg, start, need = inputs.place(s, f.shards[s], functools.partial(io.input_region, s), (), f.rg)
             f.spans.append((seg, start, start + need))
             out = io.ensure(s, "out", 0)
             msgs[s] = P.Forward(call=f.call, step=self.pool.step, grad=f.grad, training=training,

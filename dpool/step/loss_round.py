@@ -25,7 +25,8 @@ from ..stats import Stats
 from ..tensors import dtype_name, meta_nbytes
 from .backward import Backwards, params_changed
 from .deferred import Deferred, Synced
-from .forward import Forwards, Unrun, loss_dtype, out_shapes, reserve, write
+from .forward import Forwards, Unrun, loss_dtype, out_shapes
+from .plan import Placements, shapes_of
 from .replicas import ReplicaSet
 from .rounds import Rounds
 from .state import Setup, StepState
@@ -44,6 +45,7 @@ class LossRound:
         self.setup, self.state, self.pool, self.io, self.graphs = setup, state, pool, io, graphs
         self.stats, self.balancer, self.master, self.replicas, self.rounds = stats, balancer, master, replicas, rounds
         self.forwards, self.deferred, self.backwards = forwards, deferred, backwards
+        self.targets = Placements(setup.n)  # each shard's targets, where they went last
 
     def criterion(self, host: Host, handle: Any, crit: Any, targets: tuple, synced: Synced) -> torch.Tensor:
         """Compute ``crit`` on every shard of ``handle``; the full-batch loss (see :meth:`dpool.step.Runtime.criterion`)."""
@@ -143,9 +145,8 @@ class LossRound:
         msgs: dict[int, P.Message] = {}
         spans = []
         for s in range(state.k):
-            offs, need = reserve(shards[s])
-            seg, start = io.input_region(s, need)
-            metas = write(seg.views, start, offs, shards[s])
+            metas, seg, start, need = self.targets.place(s, shards[s], functools.partial(io.input_region, s),
+                                                         shapes_of(shards[s]))
             spans.append((seg, start, start + need))
             gin = io.ensure(s, "gin", state.gin_sizes[s]).ref() if guess is not None else [None, 0]
             msgs[s] = P.Criterion(call=state.call, fn=fn, tree=spec, tensors=metas, inputs=seg.ref(), seed=seed,

@@ -12,17 +12,18 @@ What is not in the signature is what each forward sends or checks afresh whateve
 its arguments (non-tensor values included) goes in its own message; the re-sync check
 (``Master.touched()``), the bindings, the numerics and the flags run before the signature is taken; and
 where a shard's inputs land in its segment depends on the graphs still alive, so a shard whose
-``(segment, start)`` is not the plan's gets its metas and views made again (:meth:`Plan.placed_at`).
+``(segment, start)`` is not the plan's gets its metas and views made again (:class:`Placements`, which
+also keeps the latest placement of each shard's targets and output gradients).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..tensors import Placer, check_tensor, describe, transportable
 
-__all__ = ["FIELDS", "signature", "Plan", "Plans"]
+__all__ = ["FIELDS", "signature", "Plan", "Plans", "Placements", "shapes_of"]
 
 # The signature's fields, in the order signature() returns them, and why each is there.
 FIELDS = (
@@ -75,39 +76,67 @@ class Plan:
         k: the number of shards.
         splits: per input tensor its shard sizes (``None``: given whole).
         rg: per input tensor, whether it requires grad.
-        layouts: per shard, its tensors' offsets from its start, and the bytes they take.
+        layouts: per shard, the bytes its tensors take in its input segment.
         gin_sizes: per shard, the bytes of its input gradients.
         diff_idx: the parameters the bridge differentiates (none without grad mode).
         shapes: per shard, its tensors' shapes.
         nbytes: the input bytes of every shard together.
     """
 
-    __slots__ = ("key", "k", "splits", "rg", "layouts", "gin_sizes", "diff_idx", "shapes", "nbytes", "_placed")
+    __slots__ = ("key", "k", "splits", "rg", "needs", "gin_sizes", "diff_idx", "shapes", "nbytes", "inputs")
 
-    def __init__(self, key: tuple, k: int, splits: list, rg: list[bool], layouts: list[tuple[list, int]],
-                 gin_sizes: list[int], diff_idx: list[int], shapes: list[list[torch.Size]], nbytes: int) -> None:
-        self.key, self.k, self.splits, self.rg, self.layouts = key, k, splits, rg, layouts
+    def __init__(self, key: tuple, k: int, splits: list, rg: list[bool], needs: list[int], gin_sizes: list[int],
+                 diff_idx: list[int], shapes: list[list[torch.Size]], nbytes: int) -> None:
+        self.key, self.k, self.splits, self.rg, self.needs = key, k, splits, rg, needs
         self.gin_sizes, self.diff_idx, self.shapes, self.nbytes = gin_sizes, diff_idx, shapes, nbytes
-        # per shard: (segment, start, metas, destination views) of the latest placement
-        self._placed: list[tuple[Any, int, list, list] | None] = [None] * k
+        self.inputs = Placements(k)  # the shards' inputs (their dtypes and shapes are the signature's)
 
-    def place(self, s: int, seg: Any, start: int, shard: Sequence[torch.Tensor]) -> list:
-        """Copy shard ``s``'s tensors into ``seg`` from ``start``, where the plan lays them out: their metas."""
+
+class Placements:
+    """Per shard, the latest placement of some of its tensors in a segment (its inputs, its targets, its
+    output gradients): their layout, metas and the views they are copied into, made again when the
+    tensors' dtypes and shapes (``key``), the segment or the start differ."""
+
+    __slots__ = ("_placed",)
+
+    def __init__(self, k: int) -> None:
+        # per shard: (key, offsets, bytes, segment, start, metas, destination views)
+        self._placed: list[tuple | None] = [None] * k
+
+    def place(self, s: int, tensors: Sequence[torch.Tensor | None], region: Callable[[int], tuple[Any, int]],
+              key: Any = None, rg: Sequence[bool] | None = None) -> tuple[list, Any, int, int]:
+        """Copy shard ``s``'s ``tensors`` (``None`` stays ``None``) into the segment ``region(bytes)`` gives,
+        from the start it gives: ``(metas, segment, start, bytes)``. ``key`` stands for the tensors' dtypes
+        and shapes (:func:`shapes_of` when the caller knows no better); ``rg`` is sent in the metas."""
         placed = self._placed[s]
-        if placed is None or placed[0] is not seg or placed[1] != start:
-            offs = self.layouts[s][0]
-            metas = [describe(t, start + o, r) for o, t, r in zip(offs, shard, self.rg)]
-            dests = [seg.views.view(start + o, t.dtype, m.shape) if t.numel() else None
-                     for o, t, m in zip(offs, shard, metas)]
-            placed = self._placed[s] = (seg, start, metas, dests)
-        for d, t in zip(placed[3], shard):
+        if placed is not None and placed[0] == key:
+            offs, need = placed[1], placed[2]
+        else:
+            placed = None
+            placer = Placer()
+            offs = [placer.reserve(t) if t is not None else None for t in tensors]
+            need = placer.offset
+        seg, start = region(need)
+        if placed is None or placed[3] is not seg or placed[4] != start:
+            flags = rg if rg is not None else [False] * len(tensors)
+            metas = [describe(t, start + o, r) if t is not None and o is not None else None
+                     for o, t, r in zip(offs, tensors, flags)]
+            dests = [seg.views.view(start + o, t.dtype, m.shape) if m is not None and t is not None and t.numel()
+                     else None for o, t, m in zip(offs, tensors, metas)]
+            placed = self._placed[s] = (key, offs, need, seg, start, metas, dests)
+        for d, t in zip(placed[6], tensors):
             if d is not None:  # (detached only where autograd would record the copy, as Placer.write)
-                d.copy_(t.detach() if t.requires_grad else t)
-        return placed[2]
+                d.copy_(t.detach() if t.requires_grad else t)  # type: ignore[union-attr]
+        return placed[5], seg, start, need
 
-    def forget_placements(self) -> None:
-        """Drop the views of the segments (they are being replaced or closed)."""
-        self._placed = [None] * self.k
+    def clear(self) -> None:
+        """Forget every placement (the segments they view are gone: a close)."""
+        self._placed = [None] * len(self._placed)
+
+
+def shapes_of(tensors: Sequence[torch.Tensor | None]) -> tuple:
+    """The key of :meth:`Placements.place` for ``tensors``: their dtypes and shapes."""
+    return tuple([None if t is None else (t.dtype, t.shape) for t in tensors])
 
 
 class Plans:
@@ -138,11 +167,15 @@ class Plans:
         self.plan = plan
 
     def clear(self) -> None:
-        """Forget the plan (the segments it views are gone: a close)."""
+        """Forget the plan and its placements (they view the input segments, which are gone: a close)."""
+        if self.plan is not None:
+            self.plan.inputs.clear()
         self.plan = None
 
 
-def layout(shard: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Offsets of ``shard``'s tensors laid out back to back, and the bytes they take."""
+def need(shard: Sequence[torch.Tensor]) -> int:
+    """The bytes ``shard``'s tensors take laid out back to back."""
     placer = Placer()
-    return [placer.reserve(t) for t in shard], placer.offset
+    for t in shard:
+        placer.reserve(t)
+    return placer.offset

@@ -293,7 +293,9 @@ class Runtime:
         alive, but not the mappings (each one also holds an fd; see close() in DataParallel)."""
         self.io.clear()
         self.graphs.clear()
-        if "forwards" in self.__dict__:
-            self.forwards.plans.clear()  # (its placements view the input segments)
+        if "losses" in self.__dict__:  # (the placements of inputs, targets and output gradients view segments)
+            self.forwards.plans.clear()
+            self.losses.targets.clear()
+            self.backwards.gouts.clear()
         if "replicas" in self.__dict__:
             self.replicas.close()
