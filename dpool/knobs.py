@@ -99,6 +99,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "Whether a gather=False training forward waits for its loss and goes to the workers with it, in "
          "one round (auto), or runs at once in a round of its own (off; its errors then come from model(x)).",
          ("auto", "off")),
+    Knob("DPOOL_CUDA_ASYNC_REPLIES", "bool", False, "tuning",
+         "UNVERIFIED (never run on a GPU yet): a GPU worker replies to a forward, a fetch or a loss as soon as "
+         "their kernels are queued, with an interprocess event the coordinator's streams wait on, instead of "
+         "after its GPU ran them; a backward's reply still waits. Trades: the GPU no longer drains at each "
+         "forward; a CUDA error of a forward's kernels surfaces at its backward, and forward_ms times only the "
+         "queueing."),
     Knob("DPOOL_WAIT_SPIN_US", "microseconds", None, "tuning",
          "How long past a short round's previous time the coordinator spins before it sleeps in the poll "
          "(unset: 300 for CPU workers, 0 for GPU workers; 0 never spins). Trades coordinator CPU for latency."),

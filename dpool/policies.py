@@ -103,6 +103,12 @@ def forward_with_loss() -> bool:
     return knobs.get("DPOOL_FORWARD_WITH_LOSS") == "auto"
 
 
+def cuda_async_replies(devices: Sequence[str]) -> bool:
+    """Whether GPU workers reply before their GPU ran a forward's kernels (``DPOOL_CUDA_ASYNC_REPLIES``: off by
+    default, not yet verified on a GPU; see NOTE [ CUDA ownership ] in :mod:`dpool.transport.cuda_ipc`)."""
+    return bool(knobs.get("DPOOL_CUDA_ASYNC_REPLIES")) and any(d.startswith("cuda") for d in devices)
+
+
 def wait_spin(devices: Sequence[str]) -> float:
     """How long (seconds) past a short round's previous time the coordinator spins before it sleeps in
     the poll, per ``DPOOL_WAIT_SPIN_US`` (see NOTE [ spinning through short rounds ] in :mod:`dpool.pool`).

@@ -106,6 +106,7 @@ import zmq
 from . import protocol as P
 from .attach import Lease
 from .channel import Channel
+from .transport.events import CudaEvents
 from .collectives import AllReduceHub
 from .config import Config
 from .daemon_client import runtime_dir
@@ -145,15 +146,17 @@ class Pool:
         attach: the name of a ``dpool-workers`` pool whose workers to lease (see :mod:`dpool.attach`),
             or ``None`` to spawn our own (:class:`dpool.launch.Spawn`).
         reply_together, spin_s: how rounds are waited for (:mod:`dpool.policies`, and the NOTEs above).
+        async_replies: GPU workers reply before their GPU ran a forward's kernels, with an event of ours our
+            streams wait on (unverified; NOTE [ CUDA ownership ] in :mod:`dpool.transport.cuda_ipc`).
         across: combines SyncBatchNorm's statistics with other nodes' (cross-node mode), or ``None``.
     """
 
     def __init__(self, devices: Sequence[str], config: Config, threads: int, attach: str | None = None,
-                 reply_together: bool = False, spin_s: float = 0.0, across: Callable | None = None) -> None:
+                 reply_together: bool = False, spin_s: float = 0.0, async_replies: bool = False,
+                 across: Callable | None = None) -> None:
         self.launcher: Launcher = Lease(attach) if attach is not None else Spawn()
         self.devices = list(devices)
-        # Per GPU of ours: the interprocess event recorded before each request (NOTE [ CUDA ownership ])
-        self._events: dict[int, Any] = {}
+        self.events = CudaEvents(self.devices, async_replies)  # (NOTE [ CUDA ownership ])
         self.config = config
         self.threads = threads
         self.prefix = segment_prefix()
@@ -297,6 +300,7 @@ class Pool:
     def _forget(self, w: Worker) -> None:
         """Kill and reap ``w`` and release everything we held for it."""
         self.kill(w)
+        self.events.forget(w.index)
         if w.pidfd is not None:
             try:
                 self._poller.unregister(w.pidfd)
@@ -327,24 +331,6 @@ class Pool:
         if isinstance(region, Segment):  # a name in /dev/shm, unlinked at close (a GPU arena has none)
             self._segments.append(region)
         return region
-
-    def event_handle(self, idx: int) -> bytes | None:
-        """The IPC handle of the event worker ``idx`` waits on before it reads what we wrote (``None`` on CPU).
-
-        One interprocess event per GPU of ours, recorded on that GPU's current stream before every
-        request. Cross-device copies into an arena on that GPU are ordered with its current stream
-        (torch's copy_ synchronises both devices' current streams), so the one event covers them.
-        """
-        dev = self.devices[idx]
-        if not dev.startswith("cuda"):
-            return None
-        d = int(dev.split(":")[1])
-        event = self._events.get(d)
-        if event is None:
-            with torch.cuda.device(d):
-                event = self._events[d] = torch.cuda.Event(interprocess=True)
-                event.record(torch.cuda.current_stream(d))
-        return event.ipc_handle()
 
     def unlink_segments(self) -> None:
         """Unlink every segment name; called once every worker has mapped them."""
@@ -425,13 +411,14 @@ class Pool:
             self._round = set(msgs)
             self._hub.begin(len(msgs))
             try:
-                for d, event in self._events.items():  # workers' streams wait for what we queued so far
-                    event.record(torch.cuda.current_stream(d))
+                self.events.before_request()
                 self.sent_at = time.monotonic()
                 for idx, msg in msgs.items():
                     self._send(idx, msg)
                 self.rounds_sent += 1
-                return self._wait(set(msgs), stage, loading)
+                replies = self._wait(set(msgs), stage, loading)
+                self.events.after_replies(replies)
+                return replies
             # On WorkerDiedError / WorkerTimeoutError the caller either respawns the worker
             # (max_restarts) or calls break_pool(). KeyboardInterrupt and friends leave the pool
             # usable: replies still owed are dropped when they come (see _asked). Either way, workers

@@ -823,6 +823,42 @@ model.close()
 print("MEM", leftover())
 print("OK")
 """,
+    # DPOOL_CUDA_ASYNC_REPLIES=1: a forward's reply does not wait for its kernels
+    "async_device_assert": """
+os.environ["DPOOL_CUDA_ASYNC_REPLIES"] = "1"
+model = dpool.wrap(net, [0, 0], max_restarts=2)
+x = torch.randn(8, 16, device="cuda")
+good = model(x).detach()
+w = {n: p.detach().clone() for n, p in net.named_parameters()}
+try:  # the assert surfaces at the forward, or at the latest at its backward (the step's end)
+    model(x, mode="assert").sum().backward(); print("NO ERROR")
+except dpool.WorkerDiedError as e:
+    assert "CUDA_LAUNCH_BLOCKING=1" in str(e) and "device-side assert" in str(e), e
+assert all(torch.equal(p, w[n]) for n, p in net.named_parameters()) and all(p.grad is None for p in net.parameters())
+torch.testing.assert_close(model(x), good)
+del x, good, w
+model.close()
+print("MEM", leftover())
+print("OK")
+""",
+    "async_kill_after_reply": """
+os.environ["DPOOL_CUDA_ASYNC_REPLIES"] = "1"
+model = dpool.wrap(net, [0, 0], max_restarts=1)
+x = torch.randn(8, 16, device="cuda")
+out = model(x)  # replied at once; the worker dies before its backward
+pid = model.stats()["workers"][1]["pid"]
+os.kill(pid, signal.SIGKILL)
+try:
+    out.sum().backward(); print("NO ERROR")
+except dpool.WorkerDiedError as e:
+    assert "worker 1" in str(e), e
+model(x).sum().backward()  # the restarted worker serves, and our stream is not stuck on the dead one's event
+torch.cuda.synchronize()
+del x, out
+model.close()
+print("MEM", leftover())
+print("OK")
+""",
     "coordinator_killed": """
 model = dpool.wrap(net, [0, 0])
 model(torch.randn(8, 16, device="cuda"))
@@ -861,6 +897,38 @@ def test_gpu_faults():
         for line in r.stdout.splitlines():
             if line.startswith("MEM"):
                 assert int(line.split()[1]) == 0, f"{name}: GPU memory not back at baseline ({line})"
+
+
+def test_async_replies_train_like_one_process_without_a_host_sync_in_the_coordinator(wrap, monkeypatch):
+    """DPOOL_CUDA_ASYNC_REPLIES=1: the forwards' replies do not wait for their kernels; the numbers are one
+    process's, step after step, and dpool's forward never synchronizes this process with its GPU."""
+    monkeypatch.setenv("DPOOL_CUDA_ASYNC_REPLIES", "1")
+    torch.manual_seed(0)
+    net = MLP().to(DEV)
+    ref = copy.deepcopy(net)
+    model = wrap(net, IDS)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 12, device=DEV)).sum().backward()  # (the first step sends what first steps send)
+    net.zero_grad()
+    for step in range(5):
+        x = torch.randn(16, 12, device=DEV)
+        y = torch.randint(0, 3, (16,), device=DEV)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = model(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        want = ref(x)
+        torch.testing.assert_close(out, want, **TOL)
+        F.cross_entropy(out, y).backward()
+        F.cross_entropy(want, y).backward()
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"grad of {name}, step {step}")
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
 
 
 def _union_reference(world: int, B: int = 12) -> dict:

@@ -144,6 +144,10 @@ class Replica(BackwardHandlers, LossHandlers):
         # before we touch its memory (NOTE [ CUDA ownership ] in dpool.transport.cuda_ipc).
         self.event: Any = None
         self._event_handle: bytes | None = None
+        # The coordinator's event we record before replying to a forward or a fetch, without waiting for our
+        # GPU (DPOOL_CUDA_ASYNC_REPLIES, unverified): its streams wait on it. None: we reply once it ran them.
+        self.reply_event: Any = None
+        self._reply_handle: bytes | None = None
         self._handlers = {
             "init": self.init,
             "forward": self.forward,
@@ -195,6 +199,10 @@ class Replica(BackwardHandlers, LossHandlers):
             self.event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), handle)
             self._event_handle = handle
             self.event.wait(cuda_stream())
+        handle = msg.options.get("reply_event")
+        if self.on_gpu and handle is not None and handle != self._reply_handle:
+            self.reply_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), handle)
+            self._reply_handle = handle
         master = self._map(msg)
         model, params, viewed = self._unpickle(msg)
         self._bind(msg, model, params, viewed, master)
@@ -450,7 +458,8 @@ class Replica(BackwardHandlers, LossHandlers):
             out_seg = self.segs["out"]
             metas = [Placer.write(out_seg.views, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
         self.stage = "idle"
-        self._sync()
+        if self.reply_event is None:  # (otherwise busy is the time to queue the forward's kernels)
+            self._sync()
         return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.monotonic() - t0, t0, rebound,
                              attributes)
 

@@ -83,6 +83,11 @@ def report_reject(peer: bytes, exc: Exception) -> None:
 
 
 DAEMON_STOPPING = "daemon stopping"
+# With DPOOL_CUDA_ASYNC_REPLIES a GPU worker replies to these before its GPU ran them: what it wrote is read
+# on the coordinator's streams, after they waited on its reply event. Every other reply waits for our
+# stream: a backward's is the step's end, where a CUDA error of this step's kernels must surface before its
+# gradients reach the master; a loss's and a call's carry values read on the host.
+ASYNC_REPLIES = ("forward", "fetch")
 
 
 def daemon_says(daemon: Any, client_pid: int) -> None:
@@ -237,14 +242,20 @@ class Server:
         assert replica is not None
         try:
             reply = replica.handle(msg)
-            if self.on_gpu:  # our GPU work is done before the coordinator reads it (NOTE [ CUDA ownership ])
-                replica.stage += " (waiting for its CUDA work)"
-                cuda_stream().synchronize()
+            if self.on_gpu:  # the coordinator reads our GPU work only once it is done (NOTE [ CUDA ownership ])
+                if replica.reply_event is not None and msg.op in ASYNC_REPLIES:
+                    replica.reply_event.record(cuda_stream())  # (its streams wait on it: no host wait here)
+                else:
+                    replica.stage += " (waiting for its CUDA work)"
+                    cuda_stream().synchronize()
             return reply
         except ClientGone:
             raise
         except BaseException as exc:
             stage = replica.stage.replace(" (waiting for its CUDA work)", "")
+            if replica.reply_event is not None and self.on_gpu and sticky_error(exc):
+                stage += (" (or the kernels of an earlier forward: with DPOOL_CUDA_ASYNC_REPLIES=1 a forward's "
+                          "reply does not wait for them)")
             if self.on_gpu and sticky_error(exc):
                 _cuda_context_lost(replica, exc, lambda e=exc: self.send(P.Failed.of(stage + P.CONTEXT_LOST, e)),
                                    self.ctx)

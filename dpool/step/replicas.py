@@ -182,7 +182,8 @@ class ReplicaSet:
             i: P.Init(model=self._model_bytes, sys_path=[p for p in sys.path if isinstance(p, str)],
                       params=self._params_ref(i, by_name), state=self.memory.states[i].ref(), param_layout=pl,
                       buffer_layout=bl, threads=pool.threads,
-                      options={"bn_counts": self.buffers.needs_counts, "event": pool.event_handle(i),
+                      options={"bn_counts": self.buffers.needs_counts, "event": pool.events.request_handle(i),
+                               "reply_event": pool.events.reply_handle(i),
                                "buckets": self.reducer.bucket_members()})
             for i in indices
         }

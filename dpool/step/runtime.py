@@ -37,7 +37,7 @@ from ..cpus import bind_threads
 from ..crossnode import CrossNode
 from ..errors import DpoolValueError
 from ..peers import arm_exit_guard
-from ..policies import coordinator_cpus, forward_with_loss, reply_together, wait_spin
+from ..policies import coordinator_cpus, cuda_async_replies, forward_with_loss, reply_together, wait_spin
 from ..pool import Pool
 from ..regions import IORegions
 from ..replicate import Master
@@ -112,7 +112,8 @@ class Runtime:
         # the workers still run. (Read before the pool exists: a bad DPOOL_REPLY_TOGETHER leaves nothing.)
         self.pool = pool = Pool(devices, config, worker_threads, attach=attach,
                                 reply_together=nodes is None and reply_together(setup.devices, worker_threads),
-                                spin_s=wait_spin(setup.devices), across=None if nodes is None else functools.partial(
+                                spin_s=wait_spin(setup.devices), async_replies=cuda_async_replies(setup.devices),
+                                across=None if nodes is None else functools.partial(
                                     nodes.all_reduce, doing="combining SyncBatchNorm statistics"))
         self.io = IORegions(setup.n, lambda w, size: pool.new_segment(size, device=setup.devices[w], owner=w))
         held = HeldGradients(lambda: master.param_names)  # what the loop did to them (accumulate.py)

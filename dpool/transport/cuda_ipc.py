@@ -34,6 +34,31 @@ NOTE [ CUDA ownership ]
   with no host wait on either side. A worker synchronises its stream before it
   replies. The coordinator never waits on a worker's GPU work, so a dead or hung
   worker cannot wedge the trainer's CUDA streams.
+* **Replies that do not wait (``DPOOL_CUDA_ASYNC_REPLIES=1``; off by default, and
+  not yet run on a GPU).** The coordinator also exports one interprocess event per
+  worker process (in ``init``). The worker records it on its stream once it has
+  queued a forward's or a fetch's kernels, and replies at once; when the reply
+  comes, the coordinator's current stream on each of its GPUs waits on it (no host
+  wait), before anything reads what the worker wrote. Every other reply still
+  waits for the worker's stream: a backward's reply is the step's end, where a
+  CUDA error of the step's kernels (the forward's included) surfaces, typed,
+  before its gradients can reach the master's optimizer. Who may write what, then:
+
+  - ``in``, ``gout`` and the parameters (the coordinator writes, the worker
+    reads): the coordinator's next write to them is queued on its stream after
+    the wait on the reply of the request that read them.
+  - ``out``, ``gin``, the gradient and buffer slots (the worker writes, the
+    coordinator reads): the worker's next write is queued after its stream waited
+    on the request event, which the coordinator records after it queued its reads.
+  - A grown region: the one it replaces goes back to the coordinator's caching
+    allocator when the next request is built, after the wait on the reply of
+    every request that used it, so its reuse is ordered after their kernels.
+  - A restart: the replacement gets an event of its own. What a wait queued on a
+    dead worker's last record does is not known yet; that needs a GPU.
+
+  So the coordinator's streams do wait on a worker's GPU work in this mode: a
+  kernel that never ends in a worker would stall them (the heartbeat still ends
+  that worker). This is why it is opt-in until it has run on a GPU.
 * Each worker sees only its own GPU (``CUDA_VISIBLE_DEVICES``, translated through
   the coordinator's own setting by :func:`dpool.launch.visible_device`): export
   tuples name device 0 there.
