@@ -157,6 +157,7 @@ class Pool:
         self.launcher: Launcher = Lease(attach) if attach is not None else Spawn()
         self.devices = list(devices)
         self.events = CudaEvents(self.devices, async_replies)  # (NOTE [ CUDA ownership ])
+        self._gpus = any(d.startswith("cuda") for d in self.devices)
         self.config = config
         self.threads = threads
         self.prefix = segment_prefix()
@@ -411,13 +412,15 @@ class Pool:
             self._round = set(msgs)
             self._hub.begin(len(msgs))
             try:
-                self.events.before_request()
+                if self._gpus:
+                    self.events.before_request()
                 self.sent_at = time.monotonic()
                 for idx, msg in msgs.items():
                     self._send(idx, msg)
                 self.rounds_sent += 1
                 replies = self._wait(set(msgs), stage, loading)
-                self.events.after_replies(replies)
+                if self._gpus:
+                    self.events.after_replies(replies)
                 return replies
             # On WorkerDiedError / WorkerTimeoutError the caller either respawns the worker
             # (max_restarts) or calls break_pool(). KeyboardInterrupt and friends leave the pool

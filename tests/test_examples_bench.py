@@ -231,3 +231,14 @@ def test_gpu_trace_idle_fraction_merges_every_process_on_one_clock():
     # busy: 1120-1170 (two overlapping activities, counted once); the coordinator's 1150-1160 is inside it
     assert gpu.idle_fraction(gpu_spans, window) == pytest.approx(0.5)
     assert gpu.idle_fraction([], window) == 1.0
+
+
+def test_call_count_of_a_step_is_the_same_run_after_run():
+    """benchmarks/calls.py counts outside the waits: two runs give the same count, and dpool's calls are part of it."""
+    runs = []
+    for _ in range(2):
+        res = _run(["benchmarks/calls.py", "--steps", "20", "--warmup", "10"], timeout=120)
+        assert res.returncode == 0, res.stderr
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert runs[0] == runs[1]
+    assert 0 < runs[0]["dpool_calls"] < runs[0]["python_calls"]
