@@ -8,8 +8,9 @@ later one whose signature equals it, field for field, runs the plan: it copies i
 says and sends messages whose fixed fields are the plan's, with this call's number, step, seed and release
 list. A signature that differs in any field builds a new plan; no part of an old one is reused.
 
-What is not in the signature is what each forward sends or checks afresh whatever the plan: the tree of
-its arguments (non-tensor values included) goes in its own message; the re-sync check
+What each forward sends or checks afresh, whatever the plan: its own tree of arguments goes in its message
+(the signature compares trees with ``==``, so ``1``, ``1.0`` and ``True`` are alike there, and nothing the
+plan holds depends on those values); the re-sync check
 (``Master.touched()``), the bindings, the numerics and the flags run before the signature is taken; and
 where a shard's inputs land in its segment depends on the graphs still alive, so a shard whose
 ``(segment, start)`` is not the plan's gets its metas and views made again (:class:`Placements`, which
