@@ -26,7 +26,7 @@ import torch
 from .tensors import Placer, read
 from .errors import GatherError, UnsupportedError
 
-__all__ = ["Bridge", "CallState", "DoubleBridge", "DoubleState", "Graphs", "Host"]
+__all__ = ["Bridge", "CallState", "DoubleBridge", "DoubleState", "Graphs", "Host", "keeps_graph"]
 
 
 class Host(Protocol):
@@ -131,13 +131,13 @@ def accumulates(ctx: Any, n: int) -> list[bool | None]:
 
 def leave_backward(ctx: Any) -> bool:
     """In a Function's backward, at its end: True if this backward frees the graph (no ``retain_graph``)."""
-    if _keeps_graph():
+    if keeps_graph():
         return False
     ctx.freed = True
     return True
 
 
-def _keeps_graph() -> bool:
+def keeps_graph() -> bool:
     """Inside a backward: whether it was asked to keep the graph (``retain_graph``). ``True`` when torch
     cannot tell: then :meth:`Graphs.collect` asks the node itself whether its saved tensor is gone."""
     if _ASK_KEEP_GRAPH is None:
@@ -258,6 +258,7 @@ class CallState:
         self.ctx: Any = None
         self.rows: list[int] = [1] * k
         self.fseq = fseq  # cross-node mode: the training forward this call was (its backward's header names it)
+        self.doubled = False  # a create_graph backward built a graph of gradients on this call's graph
         self.diff_inputs = list(diff_inputs)  # the inputs that require grad: what a double backward differentiates
         self.diff_idx = list(diff_idx)  # the indices of diff_params among the master's parameters
         self.params = list(params)  # the master's parameters at the forward

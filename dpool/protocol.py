@@ -410,7 +410,7 @@ class FetchDone(Message):
 
 
 @_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_METAS, input_grads=_LIST, hold=_BOOL,
-          sparse=_LIST, keep_as=_INT, requires_grad=_BYTES, together=_LIST, drop=_BYTES)
+          sparse=_LIST, keep_as=_INT, requires_grad=_BYTES, together=_LIST, drop=_BYTES, retain_graph=_BOOL)
 class Backward(Message):
     """Backpropagate ``grad_tensors`` (metas in ``grads``, ``None`` for no gradient) through ``call``.
 
@@ -428,7 +428,10 @@ class Backward(Message):
     master's (``zero_grad()`` during ``no_sync()``; see ``dpool.accumulate``). ``call`` :data:`HELD_ONLY`: the
     worker has no shard of this backward's batch; it drops and (unless ``hold``) adds the gradients it holds,
     as a backward of its own would, and backpropagates nothing (``grads``, ``grad_tensors`` and
-    ``input_grads`` are not read).
+    ``input_grads`` are not read). ``retain_graph``: keep ``call``'s graph for another backward; ``False``
+    when the coordinator's backward frees its own node (no ``retain_graph``, no ``create_graph``, no graph of
+    gradients built on it), so the worker frees the graph as it goes, as one process does (a compiled
+    AOTAutograd backward that donates its buffers refuses to run with the graph kept).
     """
 
     call: int
@@ -442,6 +445,7 @@ class Backward(Message):
     requires_grad: bytes
     together: list
     drop: bytes = b""
+    retain_graph: bool = True
 
 
 @_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_METAS, busy=(float,), sparse=_LIST,

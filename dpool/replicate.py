@@ -130,13 +130,30 @@ def _reduce_library_closure(func: types.FunctionType) -> tuple:
             cells.append(_EmptyCell)
     state = (func.__qualname__, func.__defaults__, func.__kwdefaults__, tuple(cells), dict(func.__dict__))
     # (state after the skeleton, so that a closure that refers to itself pickles)
-    return (_function_skeleton, (func.__module__, func.__code__, func.__name__, len(cells)), state, None, None,
-            _fill_function)
+    return (_function_skeleton, (func.__module__, func.__code__, func.__name__, len(cells), _rewriter_globals(func)),
+            state, None, None, _fill_function)
 
 
-def _function_skeleton(module: str, code: types.CodeType, name: str, ncells: int) -> types.FunctionType:
+def _rewriter_globals(func: types.FunctionType) -> dict[str, Any]:
+    """The globals ``func``'s code names that a code rewriter put in its module under names no source can
+    write: pytest's assertion rewriting adds ``@py_builtins`` and ``@pytest_ar`` to a test module, whose
+    failing asserts call them. A worker's own import of the module was not rewritten, so they travel."""
+    names: set[str] = set()
+    codes = [func.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(n for n in code.co_names if not n.isidentifier())
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return {n: func.__globals__[n] for n in names if n in func.__globals__}
+
+
+def _function_skeleton(module: str, code: types.CodeType, name: str, ncells: int,
+                       added: dict[str, Any] | None = None) -> types.FunctionType:
     closure = tuple(types.CellType() for _ in range(ncells)) or None
-    return types.FunctionType(code, importlib.import_module(module).__dict__, name, None, closure)
+    namespace = importlib.import_module(module).__dict__
+    for key, value in (added or {}).items():
+        namespace.setdefault(key, value)
+    return types.FunctionType(code, namespace, name, None, closure)
 
 
 def _fill_function(func: types.FunctionType, state: tuple) -> None:

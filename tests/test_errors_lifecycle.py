@@ -206,6 +206,26 @@ def test_every_error_is_a_dpool_error_and_its_builtin_type(case, tmp_path):
     assert isinstance(info.value, dpool_type) and isinstance(info.value, builtin), type(info.value).__mro__
 
 
+def test_a_failing_assert_of_a_pytest_test_module_is_an_assertion_error_with_pytests_explanation(wrap):
+    """pytest rewrites the asserts of test modules (this one): a failing one calls helpers that pytest adds to
+    the module's globals. A forward defined here raises AssertionError through dpool as in one process, with
+    pytest's explanation of the failed comparison."""
+
+    class Layer(nn.Module):
+        def forward(self, x):
+            rows = x.shape[0]
+            assert rows == 99
+            return x
+
+    model = wrap(Layer())
+    with pytest.raises(AssertionError) as info:
+        model(torch.randn(20, 10))
+    assert isinstance(info.value, dpool.RemoteError)
+    assert "assert 10 == 99" in str(info.value)
+    with pytest.raises(AssertionError, match="assert 3 == 99"):  # the pool is still usable
+        model(torch.randn(6, 10))
+
+
 def test_worker_side_unpickle_failure_names_stage():
     class Exploding(nn.Module):
         def __init__(self):

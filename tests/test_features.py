@@ -1147,6 +1147,46 @@ def test_torch_compile_outside_and_inside(wrap, recwarn):
     torch.testing.assert_close(inner(x), ref(x))
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_replicas_train_through_a_new_batch_size(wrap, backend):
+    """dpool.wrap(torch.compile(net)) with an AOTAutograd backend: a new batch size recompiles a dynamic-shape
+    graph that donates its buffers, whose backward torch refuses under retain_graph=True. The workers keep a
+    graph only when the coordinator's backward keeps it, so a short last batch trains as in one process; a
+    backward with retain_graph=True still raises torch's error, as one process does. Against one process:
+    outputs, gradients, and the parameters after each SGD step (the loss on the workers too, whose
+    speculative backward keeps its graph and falls back to the backward round)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 4))
+    ref = copy.deepcopy(net)
+    ref_c = torch.compile(ref, backend=backend)
+    model = wrap(torch.compile(net, backend=backend))
+    opt, ref_opt = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for n in (9, 7, 7, 5):
+        x = torch.randn(n, 10)
+        out, ref_out = model(x), ref_c(x)
+        torch.testing.assert_close(out, ref_out)
+        out.square().sum().backward()
+        ref_out.square().sum().backward()
+        for p, q in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    with pytest.raises(RuntimeError, match="donated buffers"):
+        model(torch.randn(11, 10)).sum().backward(retain_graph=True)
+    assert model(torch.randn(4, 10)).shape == (4, 4)  # the pool is still usable
+    kept = wrap(torch.compile(copy.deepcopy(ref), backend=backend), gather=False)
+    crit = dpool.criterion(nn.MSELoss())
+    for n in (6, 3):  # a new size after the first: its speculative backward fails, the backward round frees
+        x, y = torch.randn(n, 10), torch.randn(n, 4)
+        crit(kept(x), y).backward()
+        nn.MSELoss()(ref_c(x), y).backward()
+        for p, q in zip(kept.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+            p.grad = q.grad = None
+
+
 def test_backward_with_the_loss_gives_the_backward_rounds_numbers(wrap):
     """A criterion's workers run loss.backward()'s backward in the loss round when they can tell its gradient
     in advance (one round per step less). Against a pool that backpropagates in rounds of its own

@@ -59,8 +59,8 @@ class NotSpeculable(Exception):
     """A speculative backward (see ``LossHandlers._speculate``) made sparse gradients: left to the backward round."""
 
 
-def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """``torch.autograd.backward(roots, grads, retain_graph=True)`` without its argument checks.
+def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor], retain_graph: bool) -> None:
+    """``torch.autograd.backward(roots, grads, retain_graph=retain_graph)`` without its argument checks.
 
     The shapes and dtypes were checked by the coordinator's autograd. Skipping
     ``_make_grads`` also skips its lazy import of sympy, which costs over a
@@ -68,9 +68,9 @@ def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     if engine is None:  # pragma: no cover - other torch versions
-        torch.autograd.backward(roots, grads, retain_graph=True)
+        torch.autograd.backward(roots, grads, retain_graph=retain_graph)
         return
-    engine.run_backward(tuple(roots), tuple(grads), True, False, (), allow_unreachable=True, accumulate_grad=True)
+    engine.run_backward(tuple(roots), tuple(grads), retain_graph, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 def _own_sparse_grads(params: list[torch.Tensor]) -> None:
@@ -151,7 +151,7 @@ class BackwardHandlers:
                 done = self._backward_create_graph(msg, call, roots, grads, giseg, t0)
             else:
                 done = self._backward(msg.call, call, roots, grads, giseg, msg.input_grads[1], msg.hold, msg.sparse,
-                                      t0)
+                                      t0, retain_graph=msg.retain_graph)
         finally:
             self._backward_flags(own)
         if versions:
@@ -180,10 +180,11 @@ class BackwardHandlers:
 
     def _backward(self, call_id: int, call: Call, roots: list[torch.Tensor], grads: list[torch.Tensor],
                   giseg: Mapped | None, gin_size: int, hold: bool, sparse_ref: list, t0: float,
-                  speculative: bool = False) -> P.BackwardDone:
+                  speculative: bool = False, retain_graph: bool = True) -> P.BackwardDone:
         """Backpropagate ``grads`` from ``roots``: parameter gradients into the slot (or held, ``hold``), input
         gradients into ``giseg`` (``gin_size`` bytes). ``speculative`` (a criterion's seed): no bucket reports,
-        and sparse gradients raise :class:`NotSpeculable` instead of being written."""
+        and sparse gradients raise :class:`NotSpeculable` instead of being written. ``retain_graph``: keep the
+        graph for another backward (a speculative one always does: the backward round may run it again)."""
         if not self._holding:  # a fresh accumulation (a failed backward's partial one is dropped too)
             for p in self.params:
                 p.grad = None
@@ -195,7 +196,7 @@ class BackwardHandlers:
             self._enter_collective(call.world)
             self._to_slot = True
             try:
-                _run_backward(roots, grads)
+                _run_backward(roots, grads, retain_graph)
             finally:
                 self._to_slot = False
                 self.buckets.stop()

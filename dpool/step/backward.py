@@ -14,7 +14,7 @@ import torch
 
 from .. import hook_gate, protocol as P
 from ..accumulate import HeldGradients, hooked
-from ..bridge import CallState, DoubleBridge, DoubleState, Graphs, Host
+from ..bridge import CallState, DoubleBridge, DoubleState, Graphs, Host, keeps_graph
 from ..errors import ModelChangedError, UnsupportedError
 from ..pool import Pool
 from ..reduce import sum_sparse
@@ -93,10 +93,14 @@ class Backwards:
         self.graphs.collect(self.io.release, take=False)  # frees their input spans; told with the next forward
         per_shard = pieces if pieces is not None else state.grad_pieces(grads)
         keep = self.graphs.new_call() if create_graph else 0
+        # the workers free the call's graph as they go where this backward frees its node, unless a graph of
+        # gradients (create_graph) was built on it, which a later backward still runs through
+        state.doubled = state.doubled or create_graph
+        retain = state.doubled or keeps_graph()
         if nodes is not None:
             nodes.step = self.pool.step
         param_grads, replies = self.round(state.call, state.k, per_shard, state.gin_sizes, keep, hold,
-                                          rows=state.rows, at=state.fseq, skip=skip)
+                                          rows=state.rows, at=state.fseq, skip=skip, retain=retain)
         input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
         if not hold:
             self.gate_hooks(param_grads, param_idx)
@@ -162,7 +166,8 @@ class Backwards:
         self.notices.hooks_without_gradient([self.master.param_names[i] for i in hooks])
 
     def _messages(self, call: int, k: int, n: int, per_shard: list[list[torch.Tensor | None]],
-                  gin_sizes: list[int], keep: int, hold: bool, flags: bytes, drop: bytes) -> dict[int, P.Message]:
+                  gin_sizes: list[int], keep: int, hold: bool, flags: bytes, drop: bytes,
+                  retain: bool) -> dict[int, P.Message]:
         """Each shard's output gradients placed in its ``gout`` segment, and its message; workers ``k..n-1``
         (without a shard) only hand over or drop what they hold."""
         io, pool = self.io, self.pool
@@ -182,14 +187,15 @@ class Backwards:
             msgs[s] = P.Backward(call=call, step=pool.step, grads=seg.ref(), grad_tensors=gmetas,
                                  input_grads=gin.ref(), hold=hold,
                                  sparse=sparse.ref() if sparse is not None else [None, 0], keep_as=keep,
-                                 requires_grad=flags, together=together, drop=drop)
+                                 requires_grad=flags, together=together, drop=drop, retain_graph=retain)
         return msgs
 
     def round(self, call: int, k: int, per_shard: list[list[torch.Tensor | None]], gin_sizes: list[int],
               keep: int, hold: bool, rows: list[int] | None = None, at: int = -1,
-              skip: Sequence[int] = ()) -> tuple[list, dict]:
+              skip: Sequence[int] = (), retain: bool = True) -> tuple[list, dict]:
         """One backward round on ``k`` shards of ``call``: the summed parameter gradients and the replies.
-        ``skip``: parameters the workers backpropagate as frozen (autograd does not accumulate into them)."""
+        ``skip``: parameters the workers backpropagate as frozen (autograd does not accumulate into them).
+        ``retain``: the workers keep the call's graph (see :class:`dpool.protocol.Backward`)."""
         pool, state, params = self.pool, self.state, self.master.params
         flags = bytes(p.requires_grad for p in params)  # accumulate as one process would now
         if skip:
@@ -203,7 +209,7 @@ class Backwards:
         # them drop what was cleared. They backpropagate nothing (P.HELD_ONLY); one that holds nothing adds zeros.
         n = self.setup.n if state.workers_hold and k < self.setup.n and (not hold or any(drop)) else k
         try:
-            msgs = self._messages(call, k, n, per_shard, gin_sizes, keep, hold, flags, drop)
+            msgs = self._messages(call, k, n, per_shard, gin_sizes, keep, hold, flags, drop, retain)
         except BaseException:
             self.rounds.unsent()
             raise
