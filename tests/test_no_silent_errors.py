@@ -1235,6 +1235,34 @@ def test_the_same_seed_gives_the_same_run(wrap):
     assert not torch.equal(a[0][:4], a[0][4:])  # and the two shards draw different ones
 
 
+def test_dpool_does_not_change_the_users_random_sequence(wrap):
+    """Seeding the workers draws nothing from the script's generator: a shuffled DataLoader without a generator
+    of its own yields the same batches epoch after epoch with dpool as without, so a model without randomness
+    trains to the same parameters (SGD, 3 epochs)."""
+
+    def run(use_dpool: bool):
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(24, 6), torch.randn(24, 2))
+        loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+        net = nn.Linear(6, 2)
+        model = wrap(net) if use_dpool else net
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        batches = []
+        for _ in range(3):
+            for x, y in loader:
+                batches.append(x)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        return batches, [p.detach().clone() for p in net.parameters()], torch.rand(3)
+
+    plain, pooled = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], pooled[0]))
+    for a, b in zip(plain[1], pooled[1]):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(plain[2], pooled[2])  # and the generator is where the script left it
+
+
 class _LayerDrop(nn.Module):
     """LayerDrop drawn from Python's and NumPy's global generators, as HF's data2vec-audio and MusicGen do."""
 

@@ -17,6 +17,8 @@ Invariants:
 """
 from __future__ import annotations
 
+import hashlib
+
 from typing import Any, Sequence
 
 import torch
@@ -97,10 +99,20 @@ class StepState:
         self.restarting: list[int] | None = None  # workers whose restart a Ctrl-C cut short
         self.restarts_left = 0
         self.closed = False
-        self._seed = torch.empty((), dtype=torch.int64)
+        self._rng_key = b""  # the digest of the script's generator state at the latest forward
+        self._rng_count = 0  # forwards since that state was first seen
 
     def draw_seed(self) -> int:
-        """One draw from the coordinator's generator per forward: ``torch.manual_seed(s)`` makes a run
-        reproducible, embedded or attached. Each shard seeds its own stream from it (as replicas on several
-        GPUs draw their own), so the numbers differ from a single process's."""
-        return int(self._seed.random_(0, 1 << 62))  # = torch.randint(1 << 62, ()), without a new tensor
+        """A forward's seed, derived without drawing from the script's generator (a draw would change what a
+        shuffled ``DataLoader`` yields, compared with the same script without dpool): a digest of the
+        generator's state and of how many forwards saw that state before. ``torch.manual_seed(s)`` makes a
+        run reproducible, embedded or attached, and a forward after the script drew anything gets new
+        numbers. Each shard seeds its own stream from it (as replicas on several GPUs draw their own), so the
+        numbers differ from a single process's."""
+        key = hashlib.blake2b(torch.default_generator.get_state().numpy(), digest_size=8).digest()
+        if key == self._rng_key:
+            self._rng_count += 1
+        else:
+            self._rng_key, self._rng_count = key, 0
+        seed = hashlib.blake2b(self._rng_count.to_bytes(8, "little"), digest_size=8, key=key).digest()
+        return int.from_bytes(seed, "little") >> 2  # (below 2**62: a msgpack int)
