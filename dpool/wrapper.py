@@ -143,7 +143,7 @@ class DataParallel(nn.DataParallel):
                 f"{old.device_ids}); closing that pool before wrapping it again with other arguments. To keep "
                 "it, reuse the model dpool.wrap() returned, or call dpool.wrap() with the same arguments.",
                 UserWarning, stacklevel=4 if _in_wrap() else 2)
-            old.close()
+            old._close_pool()
         pool = pool if pool is not None else knobs.get("DPOOL_POOL")
         if pool is not None:  # attach to a running dpool-workers daemon: its devices
             devices = pool_devices(pool)
@@ -164,6 +164,7 @@ class DataParallel(nn.DataParallel):
         self._runtime: Runtime | None = None
         self._closing: Runtime | None = None  # a close() cut short (Ctrl-C): the next close() finishes it
         self._close_lock = threading.Lock()
+        self._sharing: weakref.WeakSet[DataParallel] = weakref.WeakSet([self])  # the open models on this pool
         self._owner_thread = threading.get_ident()
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise DpoolValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
@@ -320,6 +321,11 @@ class DataParallel(nn.DataParallel):
         """
         with self._close_lock:
             rt, self._runtime = self._runtime, None
+            self._sharing.discard(self)
+            others = [m for m in self._sharing if m._runtime is rt]
+            if rt is not None and others:  # another model of this module still uses the pool: it stays
+                _BOUND[self.module] = weakref.ref(others[0])
+                rt = None
             rt = rt or self._closing
             if rt is not None:
                 self._closing = rt  # (the model reads as closed from here on)
@@ -330,6 +336,28 @@ class DataParallel(nn.DataParallel):
             if self._saved_threads is not None and threading.get_ident() == self._owner_thread:
                 torch.set_num_threads(self._saved_threads)
                 self._saved_threads = None
+
+    def _close_pool(self) -> None:
+        """Close the pool itself: every model on it reads as closed."""
+        for model in list(self._sharing):
+            if model is not self:
+                model._runtime = None
+        self._sharing.clear()
+        self.close()
+
+    def _another(self) -> "DataParallel":
+        """A second model on this model's pool (what :func:`wrap` gives for the same module and arguments):
+        closing either leaves the other usable; the pool stops with the last one closed or collected."""
+        other: DataParallel = DataParallel.__new__(DataParallel)
+        nn.Module.__init__(other)
+        other.module = self.module
+        for name in ("device_ids", "output_device", "dim", "_wrap_args", "_runtime", "_close_lock", "_owner_thread",
+                     "_nodes", "_sharing"):
+            object.__setattr__(other, name, getattr(self, name))
+        other._closing, other._saved_threads = None, None
+        other.training = self.training
+        self._sharing.add(other)
+        return other
 
     def __enter__(self) -> "DataParallel":
         return self
@@ -429,9 +457,10 @@ def wrap(
 
     A module is never bound to two pools. Wrapping a dpool model returns it
     unchanged. Wrapping a module that a live (open, unbroken) dpool model
-    already holds returns that model when the arguments are the same (as a
-    re-run notebook cell does); with other arguments that model is closed
-    first, with a warning, and a new one is made.
+    already holds gives a second model on that model's pool when the arguments
+    are the same (as a re-run notebook cell does): closing either leaves the
+    other usable, and the pool stops with the last one. With other arguments
+    that pool is closed first, with a warning, and a new one is made.
 
     Returns:
         DataParallel: an ``nn.Module`` whose ``.module`` is ``module``.
@@ -441,7 +470,7 @@ def wrap(
     key = _wrap_args(device_ids, output_device, dim, kwargs)
     live = _bound_model(module)
     if live is not None and live._wrap_args == key:
-        return live
+        return live._another()
     model = DataParallel(module, device_ids, output_device, dim, **kwargs)
     model._wrap_args = key
     return model

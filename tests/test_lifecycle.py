@@ -324,8 +324,11 @@ def test_wrapping_a_bound_module_again_never_binds_two_pools():
     a = dpool.wrap(net, ["cpu", "cpu"])
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the same arguments: the live model, silently
-            assert dpool.wrap(net, ["cpu", "cpu"]) is a
+            warnings.simplefilter("error")  # the same arguments: a model on the live pool, silently
+            again = dpool.wrap(net, ["cpu", "cpu"])
+        assert again.pids == a.pids and again.module is net
+        again.close()  # closes that model alone (what a re-run notebook cell does to the one it replaced)
+        a(torch.randn(3, 4)).sum().backward()
         old = a.pids
         with pytest.warns(UserWarning, match="already bound to a live dpool pool"):
             b = dpool.wrap(net, ["cpu"])  # other arguments: the old pool is closed first
@@ -341,6 +344,27 @@ def test_wrapping_a_bound_module_again_never_binds_two_pools():
         c.close()
     finally:
         a.close()
+
+
+def test_closing_one_of_two_models_of_a_module_leaves_the_other_usable():
+    """A module wrapped twice with the same arguments gives two models on one pool; closing either affects that
+    model alone, in either order, and the pool stops with the last one (closed, or dropped)."""
+    net = torch.nn.Linear(4, 2)
+    first = dpool.wrap(net, ["cpu", "cpu"])
+    second = dpool.wrap(net, ["cpu", "cpu"])
+    pids = first.pids
+    first.close()
+    with pytest.raises(dpool.PoolBrokenError, match="closed"):
+        first(torch.randn(2, 4))
+    second(torch.randn(5, 4)).sum().backward()  # never closed: usable
+    assert second.pids == pids and net.weight.grad is not None
+    third = dpool.wrap(net, ["cpu", "cpu"])  # binds to the pool that is still open
+    assert third.pids == pids
+    del second
+    gc.collect()
+    third(torch.randn(3, 4))
+    third.close()
+    assert wait_for(lambda: not any(running(p) for p in pids), timeout=10)
 
 
 # ------------------------------------------------------------------------------------------ daemon
