@@ -7,14 +7,17 @@ Hierarchy::
 
     DpoolError
     ├── RemoteError            a replica raised; also an instance of the remote type
-    ├── WorkerDiedError        a worker process exited or was killed
-    ├── WorkerTimeoutError     no heartbeat, or a step passed its deadline
-    ├── WorkerStartError       a worker failed to start or to load the model
-    ├── PoolBrokenError        the pool is unusable after an earlier failure
+    ├── WorkerDiedError        a worker process exited or was killed; also a RuntimeError
+    ├── WorkerTimeoutError     no heartbeat, or a step passed its deadline; also a TimeoutError and a
+    │                          RuntimeError
+    ├── WorkerStartError       a worker failed to start or to load the model; also a RuntimeError
+    ├── PoolBrokenError        the pool is unusable after an earlier failure, or closed; also a RuntimeError
     │   └── ForkedChildError   a forked child called a model whose pool belongs to its parent
-    ├── DaemonLostError        the dpool-workers daemon of an attached pool is gone
-    ├── PeerLostError          cross-node mode: another node's coordinator died or aborted the job
-    ├── PeerTimeoutError       cross-node mode: a node stopped answering; also a TimeoutError
+    ├── DaemonLostError        the dpool-workers daemon of an attached pool is gone; also a RuntimeError
+    ├── PeerLostError          cross-node mode: another node's coordinator died or aborted the job; also a
+    │                          RuntimeError
+    ├── PeerTimeoutError       cross-node mode: a node stopped answering; also a TimeoutError and a
+    │                          RuntimeError
     ├── CollectiveDesyncError  cross-node mode: the nodes reached different steps; also a RuntimeError
     ├── UnsupportedError       a use dpool cannot run exactly (raised instead of a wrong result);
     │                          also a NotImplementedError
@@ -24,17 +27,19 @@ Hierarchy::
     │                          others; also a PermissionError
     ├── UnpicklableModelError  the model cannot be shipped to the workers; also a TypeError
     ├── ModelChangedError      the master changed in a way the replicas cannot follow; also a RuntimeError
-    ├── GatherError            replicas returned outputs that cannot be gathered; also a RuntimeError
+    ├── GatherError            replicas returned outputs that cannot be gathered; also a ValueError and a
+    │                          RuntimeError
     ├── DpoolValueError        a bad argument or input value; also a ValueError
     ├── DpoolTypeError         an argument or input of a type dpool cannot take; also a TypeError
     ├── ProtocolError          a malformed, oversized or foreign message
     │   └── AuthError          a message failed authentication; at attach, a key the daemon rejects
     │                          (then also a TimeoutError)
-    └── SharedMemoryError      shared memory could not be allocated
+    └── SharedMemoryError      shared memory could not be allocated; also an OSError and a RuntimeError
 
-Every error of dpool's own is a :class:`DpoolError` and, where Python has a builtin
-type for the same failure, also an instance of that type: ``except ValueError`` and
-``except dpool.DpoolError`` both work, as for remote errors.
+Every error of dpool's own is a :class:`DpoolError` and also an instance of the builtin type that torch
+(or ``nn.DataParallel``, or a ``DataLoader``'s worker processes, or gloo) raises for the same failure:
+``except RuntimeError`` around a training step catches a dead worker as it catches a dead ``DataLoader``
+worker or a lost gloo peer. The table in ``docs/semantics.md`` ("Errors") pairs each with torch's case.
 """
 from __future__ import annotations
 
@@ -109,7 +114,7 @@ class RemoteError(DpoolError):
         return self.args[0] if self.args else ""
 
 
-class WorkerDiedError(DpoolError):
+class WorkerDiedError(DpoolError, RuntimeError):
     """A worker process exited while the pool needed it.
 
     Attributes:
@@ -140,7 +145,7 @@ class WorkerDiedError(DpoolError):
         self.workers = workers if workers is not None else [worker]
 
 
-class WorkerTimeoutError(DpoolError):
+class WorkerTimeoutError(DpoolError, TimeoutError, RuntimeError):
     """A worker stopped sending heartbeats, or a step passed ``step_timeout``."""
 
     def __init__(self, message: str, *, worker: int = -1, device: str = "", pid: int = -1, step: int = -1) -> None:
@@ -151,7 +156,7 @@ class WorkerTimeoutError(DpoolError):
         self.step = step
 
 
-class WorkerStartError(DpoolError):
+class WorkerStartError(DpoolError, RuntimeError):
     """A worker could not start, connect or load the model during ``wrap()`` (or a restart).
 
     Attributes:
@@ -163,7 +168,7 @@ class WorkerStartError(DpoolError):
         self.workers = list(workers or [])
 
 
-class DaemonLostError(DpoolError):
+class DaemonLostError(DpoolError, RuntimeError):
     """The ``dpool-workers`` daemon this model was attached to died or was stopped."""
 
 
@@ -185,7 +190,7 @@ class _PeerError(DpoolError):
         self.step = step
 
 
-class PeerLostError(_PeerError):
+class PeerLostError(_PeerError, RuntimeError):
     """Another node's coordinator died, exited, or aborted the job after its own failure.
 
     Raised on every surviving node within seconds (gloo's closed connection, or the abort key the
@@ -193,7 +198,7 @@ class PeerLostError(_PeerError):
     """
 
 
-class PeerTimeoutError(_PeerError, TimeoutError):
+class PeerTimeoutError(_PeerError, TimeoutError, RuntimeError):
     """Another node stopped sending heartbeats (``peer_heartbeat_timeout_s``), or a cross-node
     collective passed ``peer_timeout_s``."""
 
@@ -203,7 +208,7 @@ class CollectiveDesyncError(_PeerError, RuntimeError):
     refused before any gradient is combined."""
 
 
-class PoolBrokenError(DpoolError):
+class PoolBrokenError(DpoolError, RuntimeError):
     """The pool was broken by an earlier failure, or closed; every call raises this."""
 
 
@@ -241,8 +246,9 @@ class ModelChangedError(DpoolError, RuntimeError):
     the backward first, or the forward again)."""
 
 
-class GatherError(DpoolError, RuntimeError):
-    """The replicas returned outputs that cannot be gathered into one (different structures or shapes)."""
+class GatherError(DpoolError, ValueError, RuntimeError):
+    """The replicas returned outputs that cannot be gathered into one: different structures (torch's gather
+    raises ``ValueError`` for dicts that differ) or shapes (``torch.cat`` raises ``RuntimeError``)."""
 
 
 class DpoolValueError(DpoolError, ValueError):
@@ -266,7 +272,7 @@ class KeyRejectedError(AuthError, TimeoutError):
     """The daemon of a pool rejected this client's key (see :class:`AuthError`)."""
 
 
-class SharedMemoryError(DpoolError, OSError):
+class SharedMemoryError(DpoolError, OSError, RuntimeError):
     """Shared memory could not be allocated (too small ``/dev/shm``, no permission, ...)."""
 
 

@@ -1,7 +1,10 @@
 """Errors raised by replicas, dead workers, and the pool's lifecycle (close, exit, coordinator death)."""
 from __future__ import annotations
 
+import builtins
 import json
+import os
+import re
 import signal
 import sys
 import time
@@ -15,7 +18,7 @@ import dpool
 from tests import models
 from tests.conftest import wait_for
 from tests.fault_scenarios import Fault, Victim, batch
-from tests.helpers import assert_unchanged, run_script, running, snapshot
+from tests.helpers import ROOT, assert_unchanged, run_script, running, sigkill, snapshot
 
 
 def train_step(model, opt, x):
@@ -185,7 +188,45 @@ def _error_cases(tmp_path):
             net.weight.data = net.weight.data.double()
             m(torch.randn(2, 2))
 
+    class TwoDicts(nn.Module):  # replicas return dicts with different keys: DataParallel's ValueError
+        def forward(self, x):
+            return {"a": x} if x.shape[0] > 3 else {"a": x, "b": x}
+
+    def dict_keys():
+        with dpool.wrap(TwoDicts(), ["cpu", "cpu"]) as m:
+            m(torch.randn(7, 2))
+
+    class TwoWidths(nn.Module):  # shapes that differ outside the batch dim: torch.cat's RuntimeError
+        def forward(self, x):
+            return x if x.shape[0] > 3 else torch.cat([x, x], 1)
+
+    def shapes():
+        with dpool.wrap(TwoWidths(), ["cpu", "cpu"]) as m:
+            m(torch.randn(7, 2))
+
+    def worker_killed():
+        with dpool.wrap(nn.Linear(2, 2), ["cpu", "cpu"]) as m:
+            sigkill(m.pids[1])
+            m(torch.randn(4, 2))
+
+    def closed():
+        m = dpool.wrap(nn.Linear(2, 2), ["cpu"])
+        m.close()
+        m(torch.randn(2, 2))
+
+    def no_shm_dir():
+        os.environ["DPOOL_SHM_DIR"] = str(tmp_path / "missing")
+        try:
+            dpool.wrap(nn.Linear(2, 2), ["cpu"])
+        finally:
+            del os.environ["DPOOL_SHM_DIR"]
+
     return {
+        "dict keys": (dict_keys, dpool.GatherError, ValueError),
+        "shapes": (shapes, dpool.GatherError, RuntimeError),
+        "worker killed": (worker_killed, dpool.WorkerDiedError, RuntimeError),
+        "closed": (closed, dpool.PoolBrokenError, RuntimeError),
+        "no shm dir": (no_shm_dir, dpool.SharedMemoryError, OSError),
         "unknown pool": (lambda: dpool.wrap(nn.Linear(2, 2), pool="no-such-pool-here"),
                          dpool.PoolNotFoundError, FileNotFoundError),
         "bad device": (lambda: dpool.wrap(nn.Linear(2, 2), ["tpu"]), dpool.DpoolValueError, ValueError),
@@ -198,12 +239,43 @@ def _error_cases(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["unknown pool", "bad device", "gpu ids", "gather mismatch", "dtype change",
-                                  "device_ids type"])
+                                  "device_ids type", "dict keys", "shapes", "worker killed", "closed",
+                                  "no shm dir"])
 def test_every_error_is_a_dpool_error_and_its_builtin_type(case, tmp_path):
     fn, dpool_type, builtin = _error_cases(tmp_path)[case]
     with pytest.raises(dpool.DpoolError) as info:
         fn()
     assert isinstance(info.value, dpool_type) and isinstance(info.value, builtin), type(info.value).__mro__
+
+
+def _error_table() -> dict[str, list[str]]:
+    """docs/semantics.md's errors table: each dpool error and the builtin types it says it also is."""
+    text = open(os.path.join(ROOT, "docs", "semantics.md")).read()
+    rows = {}
+    for line in text[text.index("| error | when | the same failure without dpool"):].splitlines()[2:]:
+        if not line.startswith("| `dpool."):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for name in re.findall(r"`dpool\.(\w+)`", cells[0]):
+            rows[name] = [b for b in re.findall(r"`(\w+)`", cells[3].split("(")[0]) if hasattr(builtins, b)]
+    return rows
+
+
+@pytest.mark.parametrize("name", sorted(set(dpool.errors.__all__) - {"DpoolError", "remote_error"}))
+def test_each_error_is_the_builtin_type_the_docs_table_names_for_it(name):
+    """A row per error in docs/semantics.md, naming the builtin types torch raises for the same failure; the
+    class is an instance of each, and of DpoolError (a RemoteError is of the model's own type instead)."""
+    rows = _error_table()
+    assert name in rows, f"docs/semantics.md's errors table has no row for dpool.{name}"
+    cls = getattr(dpool, name)
+    assert issubclass(cls, dpool.DpoolError)
+    for builtin in rows[name]:
+        assert issubclass(cls, getattr(builtins, builtin)), (name, builtin)
+    stated = {getattr(builtins, b) for b in rows[name]}
+    if name != "RemoteError":  # nothing beyond what the row says, but for the bases of what it says
+        extra = [b.__name__ for b in cls.__mro__ if b.__module__ == "builtins" and b not in stated
+                 and b not in (Exception, BaseException, object) and not any(issubclass(s, b) for s in stated)]
+        assert not extra, (name, extra)
 
 
 def test_a_failing_assert_of_a_pytest_test_module_is_an_assertion_error_with_pytests_explanation(wrap):
