@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import contextlib
 import inspect
 import os
@@ -181,6 +182,12 @@ class DataParallel(nn.DataParallel):
         self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
                                 gather, pool, str(out_dev), nodes=self._nodes)
         _BOUND[module] = weakref.ref(self)
+        # what _reopen() starts again (one node only: a cross-node pool is the job's, never reopened)
+        self._reopen_with: Any = None if self._nodes is not None else functools.partial(
+            Runtime, module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
+            str(out_dev))
+        self._reopens = False  # a forward on the closed model reopens it (see _reopen)
+        self._coordinator_threads = coordinator_threads
         if coordinator_threads is not None:
             torch.set_num_threads(coordinator_threads)
         else:
@@ -197,6 +204,8 @@ class DataParallel(nn.DataParallel):
 
     def _dispatch(self, inputs: tuple, kwargs: dict) -> Any:
         rt = self._runtime
+        if rt is None and self._reopens:
+            rt = self._reopen()
         if rt is None:
             raise PoolBrokenError(
                 "this dpool model is closed; call model.module(...) or dpool.unwrap(model), or wrap it again"
@@ -337,6 +346,25 @@ class DataParallel(nn.DataParallel):
                 torch.set_num_threads(self._saved_threads)
                 self._saved_threads = None
 
+    def _reopen(self) -> Runtime | None:
+        """Start workers again, with this model's arguments, if it was closed: the trainer integrations keep one
+        model for the trainer's life (what it hands out as ``model_wrapped`` stays usable) and run its workers
+        only while ``train()``, ``evaluate()`` or ``predict()`` runs. Another live pool of the module is closed
+        first (a module is never bound to two pools)."""
+        with self._close_lock:
+            if self._runtime is not None or self._reopen_with is None or self._closing is not None:
+                return self._runtime
+            old = _bound_model(self.module)
+            if old is not None:
+                old._close_pool()
+            self._runtime = self._reopen_with()
+            self._sharing = weakref.WeakSet([self])
+            _BOUND[self.module] = weakref.ref(self)
+            if self._coordinator_threads is not None and threading.get_ident() == self._owner_thread:
+                self._saved_threads = torch.get_num_threads()
+                torch.set_num_threads(self._coordinator_threads)
+            return self._runtime
+
     def _close_pool(self) -> None:
         """Close the pool itself: every model on it reads as closed."""
         for model in list(self._sharing):
@@ -352,9 +380,9 @@ class DataParallel(nn.DataParallel):
         nn.Module.__init__(other)
         other.module = self.module
         for name in ("device_ids", "output_device", "dim", "_wrap_args", "_runtime", "_close_lock", "_owner_thread",
-                     "_nodes", "_sharing"):
+                     "_nodes", "_sharing", "_reopen_with", "_coordinator_threads"):
             object.__setattr__(other, name, getattr(self, name))
-        other._closing, other._saved_threads = None, None
+        other._closing, other._saved_threads, other._reopens = None, None, False
         other.training = self.training
         self._sharing.add(other)
         return other

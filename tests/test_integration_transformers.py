@@ -158,3 +158,66 @@ def test_the_workers_stop_when_the_trainer_is_collected(tmp_path):
     del trainer
     gc.collect()
     assert _workers_gone(pids)
+
+
+def _sum_over_items_trainer(base):
+    """A Trainer subclass that normalizes the gathered logits' summed loss by ``num_items_in_batch`` itself,
+    as TRL's SFTTrainer and hand-written token-mean trainers do."""
+
+    class SumOverItems(base):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            outputs = model(**inputs)
+            logits = outputs.logits[:, :-1].reshape(-1, outputs.logits.shape[-1])
+            loss = torch.nn.functional.cross_entropy(logits.float(), labels[:, 1:].reshape(-1), reduction="sum",
+                                                     ignore_index=-100) / num_items_in_batch
+            return (loss, outputs) if return_outputs else loss
+
+    return SumOverItems
+
+
+def test_a_compute_loss_normalized_by_the_items_in_the_batch_gets_the_whole_count(tmp_path):
+    """The count is shared out only where it reaches the model's forward: a compute_loss that divides the gathered
+    outputs' sum by it gets the Trainer's count, and its logged losses and parameters equal one process's."""
+    from dpool.integrations.transformers import DpoolTrainerMixin
+
+    cfg = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=2, max_position_embeddings=16)
+    models, trainers = {}, {}
+    plain = _sum_over_items_trainer(Trainer)
+    for name, cls, extra in (("plain", plain, {}),
+                             ("dpool", type("Mixed", (DpoolTrainerMixin, plain), {}), {"device_ids": ["cpu", "cpu"]})):
+        torch.manual_seed(0)
+        models[name] = LlamaForCausalLM(LlamaConfig(**cfg))
+        trainers[name] = cls(model=models[name], args=_args(tmp_path / name, max_steps=3), train_dataset=_lm_data(),
+                             **extra)
+        trainers[name].train()
+    assert trainers["plain"].model_accepts_loss_kwargs  # (the Trainer counts the items)
+    assert _losses(trainers["dpool"]) == pytest.approx(_losses(trainers["plain"]), rel=1e-5)
+    _assert_same_parameters(models["dpool"], models["plain"])
+
+
+def test_model_wrapped_stays_usable_and_every_evaluation_runs_on_the_workers(tmp_path, monkeypatch):
+    """trainer.model_wrapped is one dpool model for the trainer's life: a forward through it after train()
+    starts its workers again; evaluate() before train() runs its forwards on the workers too."""
+    data = _classification_data()
+    calls = []
+    forward = dpool.DataParallel._forward
+    monkeypatch.setattr(dpool.DataParallel, "_forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**_BERT))
+    trainer = DpoolTrainer(model=model, args=_args(tmp_path), train_dataset=data, eval_dataset=data[:16],
+                           device_ids=["cpu", "cpu"])
+    before = trainer.evaluate()
+    assert len(calls) == 2 and dpool.is_wrapped(trainer.model_wrapped)  # 16 rows, 8 a batch: on the workers
+    wrapped = trainer.model_wrapped
+    trainer.train()
+    assert trainer.model_wrapped is wrapped and wrapped._runtime is None  # the workers stopped with train()
+    batch = {"input_ids": torch.stack([r["input_ids"] for r in data[:4]]),
+             "attention_mask": torch.stack([r["attention_mask"] for r in data[:4]])}
+    with torch.no_grad():
+        out = trainer.model_wrapped(**batch).logits
+        torch.testing.assert_close(out, model(**batch).logits)
+    after = trainer.evaluate()
+    assert after["eval_loss"] != before["eval_loss"]
+    trainer._dpool.close()

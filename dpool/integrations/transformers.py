@@ -11,6 +11,7 @@ runs every forward through a dpool model (``trainer.model_wrapped``), in place o
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -29,8 +30,10 @@ __all__ = ["DpoolTrainer", "DpoolTrainerMixin"]
 
 
 class _Pool:
-    """The trainer's dpool model: opened on first use, closed when the outermost train/evaluate/predict
-    returns (or when the trainer is collected: a ``weakref.finalize`` holds this, not the trainer)."""
+    """The trainer's dpool model, one for the trainer's life (what it hands out as ``model_wrapped``, which
+    libraries keep: sentence-transformers puts it into its loss). Its workers start at the first use, stop
+    when the outermost train/evaluate/predict returns (or when the trainer is collected: a
+    ``weakref.finalize`` holds this, not the trainer), and start again at its next forward."""
 
     def __init__(self, device_ids: Sequence[DeviceLike] | None, options: dict[str, Any]) -> None:
         self.device_ids = None if device_ids is None else list(device_ids)
@@ -40,15 +43,18 @@ class _Pool:
 
     def open(self, module: nn.Module) -> DataParallel:
         model = self.model
-        if model is None or model._runtime is None or model.module is not module:
+        if model is None or model.module is not module:
             self.close()
             model = self.model = wrap(module, self.device_ids, **self.options)
+            model._reopens = True
+            model.forward = _share_items(model, model.forward)
+        elif model._runtime is None:
+            model._reopen()
         return model
 
     def close(self) -> None:
-        model, self.model = self.model, None
-        if model is not None:
-            model.close()
+        if self.model is not None:
+            self.model.close()
 
 
 if TYPE_CHECKING:  # (type checkers read the mixin as the Trainer it is mixed into)
@@ -76,12 +82,15 @@ class DpoolTrainerMixin(_Base):
       process; the Trainer's own ``nn.DataParallel`` is never used);
     * the loss logged and backpropagated is the mean of the shards' losses, as the Trainer computes it
       for ``nn.DataParallel``; a model that normalizes its loss by ``num_items_in_batch`` gets each
-      shard's share of it, so the mean equals one process's loss;
+      shard's share of it, so the mean equals one process's loss, and a ``compute_loss`` that normalizes
+      the gathered outputs itself gets the whole count;
     * ``gradient_accumulation_steps`` holds the gradients on the workers (:meth:`dpool.DataParallel.no_sync`)
       until the last micro-batch; ``bf16``/``fp16`` autocast reaches the workers;
     * checkpoints and ``save_model()`` hold the bare model's keys;
-    * the workers start at the first forward and stop when the outermost ``train()``, ``evaluate()``
-      or ``predict()`` returns.
+    * ``model_wrapped`` is one dpool model for the trainer's life: every forward runs through it,
+      evaluation before ``train()`` included; its workers start at the first forward and stop when the
+      outermost ``train()``, ``evaluate()`` or ``predict()`` returns, and a later forward through it (a
+      loss that keeps the model) starts them again.
 
     Raises:
         UnsupportedError: at construction, for what dpool cannot do exactly: DeepSpeed or FSDP in the
@@ -155,8 +164,9 @@ class DpoolTrainerMixin(_Base):
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         bare = unwrap(model)
+        new = self._dpool.model is None or self._dpool.model.module is not bare
         dp = self._dpool.open(bare)
-        if self.accelerator.native_amp and "forward" not in vars(dp):
+        if new and self.accelerator.native_amp:
             # What accelerator.prepare() does to a model for bf16/fp16: autocast around the forward (which
             # the workers follow) and its outputs in float32. The Trainer does not prepare a wrapped model.
             from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
@@ -164,18 +174,15 @@ class DpoolTrainerMixin(_Base):
             autocast = get_mixed_precision_context_manager(self.accelerator.native_amp,
                                                            self.accelerator.autocast_handler)
             dp.forward = convert_outputs_to_fp32(autocast(dp.forward))
+        # the model every forward runs through, evaluation before train() included (a loss that keeps the
+        # model, as sentence-transformers' do, is given this one)
+        self.model_wrapped = dp
         return dp
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         if not is_wrapped(model):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        loss_in_model = not ((self.label_smoother is not None or self.compute_loss_func is not None)
-                             and "labels" in inputs)
-        if loss_in_model and num_items_in_batch is not None and self.model_accepts_loss_kwargs:
-            # each shard's loss is its sum over num_items_in_batch / shards, so that their mean is one
-            # process's loss (the Trainer's nn.DataParallel path divides by the GPU count the same way)
-            num_items_in_batch = num_items_in_batch / _shards(model, inputs)
         with warnings.catch_warnings():  # (a loss per shard is what is wanted here: DataParallel's warning is not)
             warnings.filterwarnings("ignore", message="Was asked to gather along dimension 0")
             loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
@@ -184,10 +191,22 @@ class DpoolTrainerMixin(_Base):
         return (loss, outputs) if return_outputs else loss
 
 
-def _shards(model: DataParallel, inputs: dict[str, Any]) -> int:
-    """How many shards dpool splits ``inputs`` into (fewer than the workers for a batch of fewer rows)."""
-    tensors = [t for t in _pytree.tree_leaves(inputs) if torch.is_tensor(t)]
-    return scatter.plan(tensors, len(model.device_ids), model.dim)[0]
+def _share_items(model: DataParallel, forward: Any) -> Any:
+    """``forward`` that gives each shard its share of a ``num_items_in_batch`` keyword: the count reaches the
+    model, which normalizes each shard's summed loss by it, and the mean of the shards' losses is then one
+    process's loss (the Trainer's ``nn.DataParallel`` path divides by the GPU count the same way). A count
+    that a ``compute_loss`` uses on the gathered outputs (TRL's ``SFTTrainer``, a token-mean trainer of
+    one's own) is the Trainer's, unshared."""
+
+    @functools.wraps(forward)
+    def forward_sharing_items(*args: Any, **kwargs: Any) -> Any:
+        count = kwargs.get("num_items_in_batch")
+        if count is not None:
+            tensors = [t for t in _pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t) and t is not count]
+            kwargs["num_items_in_batch"] = count / scatter.plan(tensors, len(model.device_ids), model.dim)[0]
+        return forward(*args, **kwargs)
+
+    return forward_sharing_items
 
 
 class DpoolTrainer(DpoolTrainerMixin, Trainer):
