@@ -185,7 +185,8 @@ class DpoolTrainerMixin(_Base):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         with warnings.catch_warnings():  # (a loss per shard is what is wanted here: DataParallel's warning is not)
             warnings.filterwarnings("ignore", message="Was asked to gather along dimension 0")
-            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss, outputs = result if return_outputs else (result, None)
         if torch.is_tensor(loss) and loss.dim() > 0:
             loss = loss.mean()  # the shards' losses, one per worker
         return (loss, outputs) if return_outputs else loss
