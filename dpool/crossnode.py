@@ -227,12 +227,14 @@ class CrossNode:
         dist, dev = self.dist, self.comm_device
         n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros_like(n) for _ in range(self.size)]
-        self.peers.wait(dist.all_gather(sizes, n, group=self.group, async_op=True), doing, self.step)
+        self.peers.wait(self.launch(lambda: dist.all_gather(sizes, n, group=self.group, async_op=True), doing), doing,
+                        self.step)
         most = int(max(int(s) for s in sizes))
         buf = torch.zeros(most, dtype=torch.uint8, device=dev)
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
         outs = [torch.zeros_like(buf) for _ in range(self.size)]
-        self.peers.wait(dist.all_gather(outs, buf, group=self.group, async_op=True), doing, self.step)
+        self.peers.wait(self.launch(lambda: dist.all_gather(outs, buf, group=self.group, async_op=True), doing), doing,
+                        self.step)
         self.collectives += 2
         return [bytes(o[:int(s)].tolist()) for o, s in zip(outs, sizes)]  # (uint8 values; torch needs no numpy)
 
@@ -280,7 +282,7 @@ class CrossNode:
         """Launch the header's all-gather; :meth:`check_header` reads it once the work completed."""
         doing = f"starting {_KINDS[kind]} (collective {self.seq})"
         h = self.next_header(kind, at)
-        work = self.dist.all_gather(self._headers, h, group=self.group, async_op=True)
+        work = self.launch(lambda: self.dist.all_gather(self._headers, h, group=self.group, async_op=True), doing)
         self.collectives += 1
         return work, doing
 
@@ -306,12 +308,14 @@ class CrossNode:
 
     def broadcast(self, t: torch.Tensor, doing: str) -> None:
         """Rank 0's ``t`` into every rank's ``t`` (bounded wait)."""
-        self.peers.wait(self.dist.broadcast(t, self._root, group=self.group, async_op=True), doing, self.step)
+        self.peers.wait(self.launch(lambda: self.dist.broadcast(t, self._root, group=self.group, async_op=True), doing),
+                        doing, self.step)
         self.collectives += 1
 
     def all_reduce(self, t: torch.Tensor, doing: str) -> None:
         """SUM of ``t`` over the ranks, in place (bounded wait)."""
-        self.peers.wait(self.dist.all_reduce(t, group=self.group, async_op=True), doing, self.step)
+        self.peers.wait(self.launch(lambda: self.dist.all_reduce(t, group=self.group, async_op=True), doing), doing,
+                        self.step)
         self.collectives += 1
 
     def exchange(self, mine: torch.Tensor, theirs: torch.Tensor, slot: int) -> tuple[Any, Any]:
@@ -332,11 +336,21 @@ class CrossNode:
         if self._loops is None:
             self._loops = gloo_loops(self._loop_policy)
         with self._loops:
-            works = (dist.isend(mine, other, group=self.group, tag=tag),
-                     dist.irecv(theirs, other, group=self.group, tag=tag))
+            works = self.launch(lambda: (dist.isend(mine, other, group=self.group, tag=tag),
+                                         dist.irecv(theirs, other, group=self.group, tag=tag)), "combining the gradients")
         if self._loops.tids:
             self.quiet_posts += 1
         return works
+
+    def launch(self, start: Callable[[], Any], doing: str) -> Any:
+        """Start a collective (``start`` makes gloo's or NCCL's call): the only way dpool starts one. gloo raises
+        at once where a peer's connection closed before (a bare ``RuntimeError``, "Connection closed by peer"):
+        that is a :class:`PeerLostError` naming the rank, as a loss found while waiting is
+        (:meth:`Peers.wait <dpool.peers.Peers.wait>`)."""
+        try:
+            return start()
+        except RuntimeError as exc:
+            raise self.peers.lost(str(exc), doing, self.step) from None
 
     def fail(self, exc: BaseException) -> None:
         """This rank failed a synchronised call: every other rank learns it within a heartbeat tick."""
@@ -530,9 +544,11 @@ class CrossNodeReducer(Reducer):
             outs = self._pairs[j]
             if outs is None:
                 outs = self._pairs[j] = [torch.empty_like(out) for _ in range(2)]
-            self._works.append((nodes.dist.all_gather(outs, out, group=nodes.group, async_op=True), out, outs))
+            self._works.append((nodes.launch(lambda: nodes.dist.all_gather(outs, out, group=nodes.group, async_op=True),
+                                             "combining the gradients"), out, outs))
         else:
-            self._works.append((nodes.dist.all_reduce(out, group=nodes.group, async_op=True), out, None))
+            self._works.append((nodes.launch(lambda: nodes.dist.all_reduce(out, group=nodes.group, async_op=True),
+                                             "combining the gradients"), out, None))
         nodes.collectives += 1
         self._next = j + 1
 

@@ -113,6 +113,9 @@ class Peers:
 
     # ------------------------------------------------------------------ heartbeat thread
     def start(self) -> None:
+        # who this rank is, before its first collective: a rank that loses it during wrap()'s exchange of
+        # the same (the first collective) can still name it (see _find_culprit)
+        self.store.set(self._key("who", self.rank), f"{self.me.host}\n{self.me.pid}")
         self._beat_once()  # this rank's counter moves before its first collective
         _install_hooks()
         _LIVE.add(self)
@@ -235,7 +238,7 @@ class Peers:
         if error is None and not self._broke:
             return
         self._tick_checks(doing, step, deadline)  # the abort key, a silent peer or store, peer_timeout_s
-        raise self._lost(str(error) if error is not None else "", doing, step) from None
+        raise self.lost(str(error) if error is not None else "", doing, step) from None
 
     def _wait_timed(self, work: Any, doing: str, step: int, deadline: float) -> None:
         while True:
@@ -248,7 +251,7 @@ class Peers:
                         work.wait()
                         return
                     except RuntimeError as exc:  # gloo: "Connection closed by peer", "Connection reset", ...
-                        raise self._lost(str(exc), doing, step) from None
+                        raise self.lost(str(exc), doing, step) from None
             self._tick_checks(doing, step, deadline)
 
     def _wait_event(self, work: Any, doing: str, step: int, deadline: float) -> None:
@@ -259,7 +262,7 @@ class Peers:
         try:
             work.wait()
         except RuntimeError as exc:
-            raise self._lost(str(exc), doing, step) from None
+            raise self.lost(str(exc), doing, step) from None
 
     def _tick_checks(self, doing: str, step: int, deadline: float) -> None:
         self.check(doing, step)
@@ -283,8 +286,8 @@ class Peers:
         return error(f"{what}\n(this rank, {self.me.where()}, was {doing} at step {step}.) {_AFTER}",
                      rank=r, host=p.host, pid=p.pid, step=step)
 
-    def _lost(self, gloo: str, doing: str, step: int) -> PeerLostError | CollectiveDesyncError:
-        """Name the rank behind a failed collective: abort key, gone keys, dead pids here, stopped heartbeats."""
+    def lost(self, gloo: str, doing: str, step: int) -> PeerLostError | CollectiveDesyncError:
+        """Name the rank behind a failed collective (in its wait, or at its start): abort key, gone keys, dead pids here, stopped heartbeats."""
         first = _gloo_text(gloo)
         deadline = time.monotonic() + 2 * self.interval_s + 0.2  # let the abort key of the failing rank land
         while True:
@@ -311,6 +314,13 @@ class Peers:
 
     def _find_culprit(self) -> tuple[int | None, str]:
         if self.healthy:
+            try:
+                for p in self.peers:  # not exchanged yet (a loss in wrap()'s first collective): from the store
+                    if p.pid < 0 and self.store.check([self._key("who", p.rank)]):
+                        host, pid = self.store.get(self._key("who", p.rank)).decode().split("\n")
+                        self.peers[p.rank] = Peer(p.rank, host, int(pid))
+            except Exception:
+                pass
             try:
                 for p in self.peers:
                     if p.rank != self.rank and self.store.check([self._key("gone", p.rank)]):

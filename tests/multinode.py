@@ -421,6 +421,59 @@ def fault(rank: int, world: int, p: dict) -> dict:
         raise
 
 
+def lost_at(rank: int, world: int, p: dict) -> dict:
+    """Rank 1 exits just before it starts its ``p["at"]``-th collective (0: never), counted by a hook on
+    ``CrossNode.launch``, the one way dpool starts a collective; rank 0 reports what it raised. ``wrap()``
+    and two training steps of a model with buffers (rank 0's, broadcast) and SyncBatchNorm (its statistics
+    combined across the nodes) start every kind of collective dpool has."""
+    from dpool.crossnode import CrossNode
+
+    started: list[str] = []
+    launch = CrossNode.launch
+
+    pid_file = os.path.join(p["out"], "rank1.pid")
+    if rank == 1:
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
+
+    def counted(self, start, doing):
+        started.append(doing)
+        if len(started) == p["at"]:
+            if rank == 1:
+                print(f"T0 {time.time()}", flush=True)
+                os._exit(3)
+            # rank 0 starts the same collective once rank 1 is gone (a barrier on its death) and gloo's loop
+            # thread has had its turn to see the connection close: gloo then refuses at the start
+            while not os.path.exists(pid_file):
+                time.sleep(0.01)
+            with open(pid_file) as f:
+                victim = int(f.read())
+            while _alive(victim):
+                time.sleep(0.01)
+            time.sleep(0.2)
+        return launch(self, start, doing)
+
+    CrossNode.launch = counted  # type: ignore[method-assign]
+    model = None
+    try:
+        model = dpool.wrap(make_net(bn=True, sync_bn=True), device_ids=["cpu"], worker_threads=1,
+                           peer_heartbeat_s=0.2, peer_heartbeat_timeout_s=5.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sl = rows_of(rank, world, 8)
+        for x, y in batches(2, 8):
+            opt.zero_grad()
+            F.mse_loss(model(x[sl]), y[sl]).backward()
+            opt.step()
+        model.close()
+        return {"error": None, "started": started}
+    except RuntimeError as exc:  # (dpool's peer errors are RuntimeErrors too, as gloo's own is)
+        result = {"error": type(exc).__name__, "dpool": isinstance(exc, dpool.DpoolError), "message": str(exc),
+                  "lost_rank": getattr(exc, "rank", None), "started": started}
+        print("RESULT " + json.dumps(result), flush=True)
+        raise  # (the exit guard ends the rank past gloo's teardown, as a script ending with the error does)
+
+
 def cuda_nodes(rank: int, world: int, p: dict) -> dict:
     """CUDA masters (``p["backend"]``: gloo or nccl), ``p["workers"][rank]`` GPU workers each on GPU 0; the
     test compares with one process on the union batch. Then no_sync and a step with a head on rank 0 only."""
@@ -474,7 +527,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-SCENARIOS = {"vs_ddp": vs_ddp, "union": union, "overlap": overlap, "accumulate": accumulate, "fault": fault,
+SCENARIOS = {"lost_at": lost_at, "vs_ddp": vs_ddp, "union": union, "overlap": overlap, "accumulate": accumulate, "fault": fault,
              "cuda_nodes": cuda_nodes, "minimal_nodes": minimal_nodes, "loss_on_workers": loss_on_workers}
 
 

@@ -529,6 +529,48 @@ def _alive(pid: int) -> bool:
         return False
 
 
+# ---------------------------------------------------------------------------- a node lost at each collective
+# wrap(): the models compared (two all-gathers), rank 0's parameters (a broadcast per dtype); a training step
+# with buffers and SyncBatchNorm: the forward's header, rank 0's buffers, SyncBatchNorm's statistics (forward
+# and backward), the backward's header, the gradients (a point-to-point swap between two nodes)
+_WRAP_AND_STEP = 10
+
+
+@pytest.fixture(scope="module")
+def lost():
+    done = run_all({f"at {k}": ("lost_at", 2, {"at": k}, None) for k in range(_WRAP_AND_STEP + 1)},
+                   timeout=90, at_once=3)
+    yield done
+    for run in done.values():
+        run.cleanup()
+
+
+def test_a_node_lost_before_any_collective_is_a_peer_lost_error_naming_it(lost):
+    """Rank 1 exits just before its k-th collective, for every collective of wrap() and of a training step
+    (chosen by a hook on the one function that starts them); rank 0 starts that collective once rank 1 is
+    gone, so gloo refuses it at its start or in its wait. Either way rank 0 raises PeerLostError naming rank 1
+    (also a RuntimeError, as gloo's own error is), never gloo's bare RuntimeError."""
+    whole = lost["at 0"]
+    assert whole.codes == [0, 0], whole.errs
+    started = whole.result(0)["started"]
+    kind = [d.split(" (")[0] for d in started]
+    assert len(started) == 4 + 2 * 6 and kind[4:10] == kind[10:], started  # wrap(), then two alike steps
+    kinds = {"comparing the models", "taking rank 0's parameters", "starting a training forward",
+             "taking rank 0's buffers", "combining SyncBatchNorm statistics", "starting a backward",
+             "combining the gradients"}
+    assert set(kind[:_WRAP_AND_STEP]) == kinds
+    for k in range(1, _WRAP_AND_STEP + 1):
+        run = lost[f"at {k}"]
+        assert run.codes[1] == 3, run.errs[1]
+        res = run.result(0)
+        # it got as far as that collective (whose wait may come after the next one starts: the backward's
+        # header is waited for when the first gradient bucket is ready)
+        assert res["started"][:k] == started[:k] and len(res["started"]) <= k + 1, (k, res["started"])
+        assert res["error"] == "PeerLostError" and res["dpool"], (k, res["message"])
+        assert res["lost_rank"] == 1 and "rank 1 (" in res["message"] and "pid" in res["message"], res["message"]
+        assert run.codes[0] == 1, run.errs[0]
+
+
 def test_example_under_torchrun_matches_one_process():
     """The example, through the real launcher: the printed losses equal a single process on the global batch."""
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
