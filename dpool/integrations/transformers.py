@@ -186,6 +186,7 @@ class DpoolTrainerMixin(_Base):
         with warnings.catch_warnings():  # (a loss per shard is what is wanted here: DataParallel's warning is not)
             warnings.filterwarnings("ignore", message="Was asked to gather along dimension 0")
             result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss: Any
         loss, outputs = result if return_outputs else (result, None)
         if torch.is_tensor(loss) and loss.dim() > 0:
             loss = loss.mean()  # the shards' losses, one per worker
