@@ -4,10 +4,11 @@
     python benchmarks/gpu.py --workloads probe --steps 50 --repeats 5
     python benchmarks/gpu.py --breakdown resnet --setups single,dpool1,dpool   # time per phase
     python benchmarks/gpu.py --trace traces/ --setups single,dpool1,dpool      # profiler traces, GPU idle
+    python benchmarks/gpu.py --mps --setups dpool1,dpool                        # the same rows under MPS
 
 Setups (all on cuda:0, inputs already on the GPU, fp32, SGD with momentum):
   single   the module in this process
-  dp       torch.nn.DataParallel(module, device_ids=[0]) (one replica: its per-call overhead)
+  dataparallel  torch.nn.DataParallel(module, device_ids=[0]) (one replica: its per-call overhead)
   dpool    dpool.wrap(module, [0, 0]): two worker processes sharing GPU 0 over CUDA IPC
   dpool1   dpool.wrap(module, [0]): one worker process (framework cost without two processes
            time-slicing one GPU)
@@ -28,6 +29,11 @@ dpool) in every worker, writes each process's Chrome trace to ``DIR/<workload>-<
 and reports per setup the GPU's idle fraction over the steady steps (the time no kernel, copy or memset of
 any of those processes ran, over the steps' wall time) and the framework cost (the step time minus a
 single process's, at the same batch).
+
+``--mps`` starts NVIDIA's Multi-Process Service (``nvidia-cuda-mps-control -d``, with its pipe and log
+folders in a new temporary folder), runs the benchmark again with the other arguments in a new process that
+is its client (as dpool's workers then are), and stops the service (``quit``) whatever happens; the rows'
+setups carry an ``mps`` mark in ``--out``. Without ``nvidia-cuda-mps-control`` on the PATH it exits 2.
 """
 from __future__ import annotations
 
@@ -106,7 +112,7 @@ class Runner:
         g = torch.Generator().manual_seed(0)
         self.data = [batch(g) for _ in range(4)]
         self.setup = setup
-        if setup == "dp":
+        if setup == "dataparallel":
             net = nn.DataParallel(net, device_ids=[0])
         elif setup.startswith("dpool"):
             import dpool
@@ -288,7 +294,7 @@ def trace(r: "Runner", workload: str, steps: int, warmup: int, out: str) -> dict
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--workloads", default="resnet,encoder,probe")
-    ap.add_argument("--setups", default="single,dp,dpool")
+    ap.add_argument("--setups", default="single,dataparallel,dpool")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
@@ -300,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="instead: profiler traces of a few steps of each of --setups on each of --workloads, "
                          "written to DIR, with the GPU's idle fraction and the framework cost")
+    ap.add_argument("--mps", action="store_true",
+                    help="run the rest under NVIDIA's Multi-Process Service, started and stopped here")
     args = ap.parse_args(argv)
+    if args.mps:
+        return under_mps([a for a in (sys.argv[1:] if argv is None else argv) if a != "--mps"])
     if args.trace:
         torch.set_num_threads(1)
         rows = []
@@ -343,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                               "cuda": torch.version.cuda, "steps": args.steps, "repeats": args.repeats, "rows": []}
+                               "cuda": torch.version.cuda, "steps": args.steps, "repeats": args.repeats,
+                               "mps": "CUDA_MPS_PIPE_DIRECTORY" in os.environ, "rows": []}
     print(f"# {results['gpu']}, torch {results['torch']} (CUDA {results['cuda']}); median of {args.repeats} "
           f"repeats of {args.steps} steps\n")
     print("| workload | setup | samples/s (min-max) | ms/step | vs single | dpool framework ms/step |")
@@ -375,6 +386,28 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def under_mps(rest: list[str]) -> int:
+    """Start the MPS control daemon, run this benchmark with ``rest`` as its client, stop the daemon."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        print("--mps: nvidia-cuda-mps-control is not on the PATH (it comes with NVIDIA's driver)", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="dpool-mps-") as d:
+        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.path.join(d, "pipe"),
+                   CUDA_MPS_LOG_DIRECTORY=os.path.join(d, "log"))
+        os.makedirs(env["CUDA_MPS_PIPE_DIRECTORY"])
+        os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
+        subprocess.run([control, "-d"], env=env, check=True)
+        try:
+            return subprocess.run([sys.executable, os.path.abspath(__file__), *rest], env=env).returncode
+        finally:
+            subprocess.run([control], input=b"quit\n", env=env, timeout=60)
 
 
 if __name__ == "__main__":

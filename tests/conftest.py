@@ -91,6 +91,17 @@ def cuda_driver_opened():
 
 
 @pytest.fixture(autouse=True)
+def copy_path(monkeypatch):
+    """With ``DPOOL_TEST_COPY_PATH=1`` (scripts/gpu-check.sh sets it for a second run of the CUDA tests): workers
+    on the master's GPU take the copy path that workers on another GPU take, so that one GPU tests it."""
+    if os.environ.get("DPOOL_TEST_COPY_PATH") == "1":
+        from dpool.step import replicas
+
+        monkeypatch.setattr(replicas, "ALIAS_SAME_GPU", False)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def no_leaks(cuda_driver_opened):
     """Fail the test if it leaves a child process, a dpool /dev/shm segment, a file descriptor or a
     coordinator socket file behind."""

@@ -242,3 +242,23 @@ def test_call_count_of_a_step_is_the_same_run_after_run():
         runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
     assert runs[0] == runs[1]
     assert 0 < runs[0]["dpool_calls"] < runs[0]["python_calls"]
+
+
+def test_the_gpu_check_scripts_plan_holds_on_cpu(tmp_path):
+    """scripts/gpu-check.sh --dry-run: the wheels the GPU image lacks, the test selection and the output folder
+    are checked without a GPU; a missing wheel says how to get it, a used output folder is refused."""
+    env = dict(os.environ, PYTHON=sys.executable, DPOOL_WHEELS=str(tmp_path / "wheels"))
+
+    def dry(out):
+        return subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", str(out)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    res = dry(tmp_path / "out")
+    assert res.returncode == 1 and "no pyzmq wheel" in res.stderr and "gpu-wheels.sh" in res.stderr, res.stderr
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "pyzmq-27.3.0-cp312-abi3-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    res = dry(tmp_path / "out")
+    assert res.returncode == 0 and "dry run OK" in res.stdout, res.stdout + res.stderr
+    (tmp_path / "out" / "old.json").write_text("{}")
+    res = dry(tmp_path / "out")
+    assert res.returncode == 1 and "not empty" in res.stderr, res.stderr
