@@ -164,9 +164,8 @@ class DataParallel(nn.DataParallel):
         self._saved_threads = torch.get_num_threads()
         self._runtime: Runtime | None = None
         self._closing: Runtime | None = None  # a close() cut short (Ctrl-C): the next close() finishes it
-        self._close_lock = threading.Lock()
+        self._close_lock, self._owner_thread = threading.Lock(), threading.get_ident()
         self._sharing: weakref.WeakSet[DataParallel] = weakref.WeakSet([self])  # the open models on this pool
-        self._owner_thread = threading.get_ident()
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise DpoolValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
         group = resolve_group(process_group)
@@ -182,12 +181,11 @@ class DataParallel(nn.DataParallel):
         self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
                                 gather, pool, str(out_dev), nodes=self._nodes)
         _BOUND[module] = weakref.ref(self)
-        # what _reopen() starts again (one node only: a cross-node pool is the job's, never reopened)
+        # what _reopen() starts (one node only: a cross-node pool is the job's), and whether a forward reopens
         self._reopen_with: Any = None if self._nodes is not None else functools.partial(
             Runtime, module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
             str(out_dev))
-        self._reopens = False  # a forward on the closed model reopens it (see _reopen)
-        self._coordinator_threads = coordinator_threads
+        self._reopens, self._coordinator_threads = False, coordinator_threads
         if coordinator_threads is not None:
             torch.set_num_threads(coordinator_threads)
         else:
@@ -329,17 +327,19 @@ class DataParallel(nn.DataParallel):
         short (Ctrl-C) is finished by the next one.
         """
         with self._close_lock:
-            rt, self._runtime = self._runtime, None
-            self._sharing.discard(self)
-            others = [m for m in self._sharing if m._runtime is rt]
-            if rt is not None and others:  # another model of this module still uses the pool: it stays
+            rt = self._runtime
+            others = [m for m in self._sharing if m is not self and m._runtime is rt] if rt is not None else []
+            if others:  # another model of this module still uses the pool: it stays
+                self._runtime = None
                 _BOUND[self.module] = weakref.ref(others[0])
-                rt = None
-            rt = rt or self._closing
-            if rt is not None:
-                self._closing = rt  # (the model reads as closed from here on)
-                rt.close()
-                self._closing = None
+                self._sharing.discard(self)
+            else:
+                # _closing first: a close cut short (Ctrl-C) anywhere after it is finished by the next one
+                self._closing = rt or self._closing
+                self._runtime = None  # (the model reads as closed from here on)
+                if self._closing is not None:
+                    self._closing.close()
+                    self._closing = None
             # torch's thread count belongs to the thread that set it (OpenMP keeps it per thread):
             # restore it there, and never call into torch's pools from another thread at close.
             if self._saved_threads is not None and threading.get_ident() == self._owner_thread:

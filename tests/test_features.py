@@ -1154,8 +1154,9 @@ def test_compiled_replicas_train_through_a_new_batch_size(wrap, backend):
     graph that donates its buffers, whose backward torch refuses under retain_graph=True. The workers keep a
     graph only when the coordinator's backward keeps it, so a short last batch trains as in one process; a
     backward with retain_graph=True still raises torch's error, as one process does. Against one process:
-    outputs, gradients, and the parameters after each SGD step (the loss on the workers too, whose
-    speculative backward keeps its graph and falls back to the backward round)."""
+    outputs, gradients, and the parameters after each SGD step. With the loss on the workers the graph of kept
+    outputs stays (several losses may backpropagate it, a round each), and its backward runs without donated
+    buffers."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 4))
     ref = copy.deepcopy(net)
@@ -1178,7 +1179,7 @@ def test_compiled_replicas_train_through_a_new_batch_size(wrap, backend):
     assert model(torch.randn(4, 10)).shape == (4, 4)  # the pool is still usable
     kept = wrap(torch.compile(copy.deepcopy(ref), backend=backend), gather=False)
     crit = dpool.criterion(nn.MSELoss())
-    for n in (6, 3):  # a new size after the first: its speculative backward fails, the backward round frees
+    for n in (6, 3):  # a new size after the first: kept outputs keep their graph, compiled without donation
         x, y = torch.randn(n, 10), torch.randn(n, 4)
         crit(kept(x), y).backward()
         nn.MSELoss()(ref_c(x), y).backward()

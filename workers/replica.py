@@ -57,6 +57,7 @@ _size = torch.Tensor.size
 _data_ptr = torch.Tensor.data_ptr
 
 
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, load: Callable[[Any], Any]) -> None:
         super().__init__(io.BytesIO(data))

@@ -15,6 +15,8 @@ until a backward without hold.
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 import weakref
 from typing import Any, Callable
@@ -71,6 +73,16 @@ def _run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor], retain_g
         torch.autograd.backward(roots, grads, retain_graph=retain_graph)
         return
     engine.run_backward(tuple(roots), tuple(grads), retain_graph, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def _graph_kept() -> Any:
+    """Around a backward that keeps the graph for dpool's own sake (a speculative one, which the backward round
+    may run again; outputs kept here, which several nodes of the coordinator's graph may backpropagate in one
+    backward, a round each), not because the script asked: a model compiled with AOTAutograd (``inductor``,
+    ``aot_eager``) that donates its saved buffers refuses such a backward, so it runs without donating them.
+    (Only where Dynamo is loaded: a compiled model brings it.)"""
+    config = sys.modules.get("torch._functorch.config")
+    return config.patch(donated_buffer=False) if config is not None else contextlib.nullcontext()
 
 
 def _own_sparse_grads(params: list[torch.Tensor]) -> None:
@@ -196,7 +208,8 @@ class BackwardHandlers:
             self._enter_collective(call.world)
             self._to_slot = True
             try:
-                _run_backward(roots, grads, retain_graph)
+                with _graph_kept() if speculative or call.out is not None else contextlib.nullcontext():
+                    _run_backward(roots, grads, retain_graph)
             finally:
                 self._to_slot = False
                 self.buckets.stop()

@@ -93,10 +93,12 @@ class Backwards:
         self.graphs.collect(self.io.release, take=False)  # frees their input spans; told with the next forward
         per_shard = pieces if pieces is not None else state.grad_pieces(grads)
         keep = self.graphs.new_call() if create_graph else 0
-        # the workers free the call's graph as they go where this backward frees its node, unless a graph of
-        # gradients (create_graph) was built on it, which a later backward still runs through
+        # the workers free the call's graph as they go where this backward frees its node: the one node of a
+        # gathered call, unless a graph of gradients (create_graph) was built on it, which a later backward still
+        # runs through. Outputs kept on the workers (gather=False) may have several nodes (losses, gathers) that
+        # one backward runs through, a round each: their graph stays until released.
         state.doubled = state.doubled or create_graph
-        retain = state.doubled or keeps_graph()
+        retain = state.doubled or not self.setup.gather_outputs or keeps_graph()
         if nodes is not None:
             nodes.step = self.pool.step
         param_grads, replies = self.round(state.call, state.k, per_shard, state.gin_sizes, keep, hold,

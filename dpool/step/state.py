@@ -17,7 +17,8 @@ Invariants:
 """
 from __future__ import annotations
 
-import hashlib
+import ctypes
+import zlib
 
 from typing import Any, Sequence
 
@@ -79,6 +80,13 @@ class SlotGen:
         return token == self._gen
 
 
+def _mix(x: int) -> int:
+    """SplitMix64's finalizer: 64 well-mixed bits from ``x`` (neighbouring counts give unrelated seeds)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
 class StepState:
     """The state a step's stages share (see the module's invariants)."""
 
@@ -99,7 +107,7 @@ class StepState:
         self.restarting: list[int] | None = None  # workers whose restart a Ctrl-C cut short
         self.restarts_left = 0
         self.closed = False
-        self._rng_key = b""  # the digest of the script's generator state at the latest forward
+        self._rng_key = -1  # the checksum of the script's generator state at the latest forward
         self._rng_count = 0  # forwards since that state was first seen
 
     def draw_seed(self) -> int:
@@ -109,10 +117,10 @@ class StepState:
         run reproducible, embedded or attached, and a forward after the script drew anything gets new
         numbers. Each shard seeds its own stream from it (as replicas on several GPUs draw their own), so the
         numbers differ from a single process's."""
-        key = hashlib.blake2b(torch.default_generator.get_state().numpy(), digest_size=8).digest()
+        state = torch.default_generator.get_state()  # (read as bytes without numpy, which dpool does without)
+        key = zlib.crc32(ctypes.string_at(state.data_ptr(), state.numel()))
         if key == self._rng_key:
             self._rng_count += 1
         else:
             self._rng_key, self._rng_count = key, 0
-        seed = hashlib.blake2b(self._rng_count.to_bytes(8, "little"), digest_size=8, key=key).digest()
-        return int.from_bytes(seed, "little") >> 2  # (below 2**62: a msgpack int)
+        return _mix(key << 32 | self._rng_count & 0xFFFFFFFF) >> 2  # (below 2**62: a msgpack int)
