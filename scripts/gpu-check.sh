@@ -79,8 +79,8 @@ step() {  # step NAME SECONDS COMMAND...: run it bounded, note its status and ti
 }
 export PYTHONUNBUFFERED=1 DPOOL_WHEELS="$WHEELS"
 # shellcheck disable=SC2086
-step tests 200 bash -c "bash scripts/gpu-test.sh $TESTS 2>&1 | tee $SCRATCH/tests.log"
-step copy-path 70 bash -c "DPOOL_TEST_COPY_PATH=1 bash scripts/gpu-test.sh tests/test_cuda.py -k '$COPY_PATH_TESTS' \
+step tests 200 bash -c "set -o pipefail; bash scripts/gpu-test.sh $TESTS 2>&1 | tee $SCRATCH/tests.log"
+step copy-path 70 bash -c "set -o pipefail; DPOOL_TEST_COPY_PATH=1 bash scripts/gpu-test.sh tests/test_cuda.py -k '$COPY_PATH_TESTS' \
   2>&1 | tee -a $SCRATCH/tests.log"
 cp "$SCRATCH/tests.log" "$OUTDIR/tests.log"
 # the install gpu-test.sh made, for the benchmark's processes
