@@ -349,12 +349,17 @@ class DataParallel(nn.DataParallel):
     def _reopen(self) -> Runtime | None:
         """Start workers again, with this model's arguments, if it was closed: the trainer integrations keep one
         model for the trainer's life (what it hands out as ``model_wrapped`` stays usable) and run its workers
-        only while ``train()``, ``evaluate()`` or ``predict()`` runs. Another live pool of the module is closed
-        first (a module is never bound to two pools)."""
+        only while ``train()``, ``evaluate()`` or ``predict()`` runs. A live pool of the module made with the same
+        arguments is joined, as :func:`wrap` would; one made with others is closed first (a module is never bound
+        to two pools)."""
         with self._close_lock:
             if self._runtime is not None or self._reopen_with is None or self._closing is not None:
                 return self._runtime
             old = _bound_model(self.module)
+            if old is not None and old._wrap_args == self._wrap_args:  # (its lock may be this one: no close)
+                self._runtime, self._sharing, self._close_lock = old._runtime, old._sharing, old._close_lock
+                self._sharing.add(self)
+                return self._runtime
             if old is not None:
                 old._close_pool()
             self._runtime = self._reopen_with()

@@ -367,6 +367,24 @@ def test_closing_one_of_two_models_of_a_module_leaves_the_other_usable():
     assert wait_for(lambda: not any(running(p) for p in pids), timeout=10)
 
 
+@pytest.mark.timeout(60)
+def test_a_model_reopened_on_use_joins_the_live_pool_of_its_module():
+    """The trainers' model (one for the trainer's life, reopened by its next forward) made while the script's own
+    model of the module was open shares that pool; reopened after its close, it joins the pool again (whose
+    close lock it shares: no deadlock) instead of closing the script's model."""
+    net = torch.nn.Linear(4, 2)
+    mine = dpool.wrap(net, ["cpu", "cpu"])
+    trainers = dpool.wrap(net, ["cpu", "cpu"])
+    trainers._reopens = True  # (what dpool.integrations sets)
+    trainers.close()
+    trainers(torch.randn(3, 4)).sum().backward()  # reopened: on the script's pool
+    assert trainers.pids == mine.pids
+    mine(torch.randn(3, 4))  # still open
+    mine.close()
+    trainers(torch.randn(3, 4))
+    trainers.close()
+
+
 # ------------------------------------------------------------------------------------------ daemon
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dpool_workers.cli", *args], capture_output=True, text=True,
