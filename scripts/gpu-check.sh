@@ -38,6 +38,14 @@ check() {  # the plan: wheels, test selection, output folder
   for f in $TESTS benchmarks/gpu.py scripts/gpu-test.sh; do
     [ -f "$f" ] || { echo "gpu-check: $f is missing" >&2; ok=1; }
   done
+  if ! mkdir -p "$OUTDIR" || [ ! -w "$OUTDIR" ]; then
+    echo "gpu-check: cannot write to $OUTDIR" >&2
+    ok=1
+  elif [ "$(find "$OUTDIR" -maxdepth 1 -type f | wc -l)" -gt 0 ]; then
+    echo "gpu-check: $OUTDIR is not empty (at most 8 files come back from a device run: use an empty one)" >&2
+    ok=1
+  fi
+  if [ $ok -ne 0 ]; then return $ok; fi  # (the collection below takes seconds: only once the rest holds)
   # one collection: both files must import (a collection error fails it), and the copy-path selection must pick
   # tests of tests/test_cuda.py
   # shellcheck disable=SC2086
@@ -45,13 +53,6 @@ check() {  # the plan: wheels, test selection, output folder
   if [ $? -ne 0 ] || [ "$(grep -c "^tests/test_cuda.py::" <<<"$selected")" -lt 3 ]; then
     echo "gpu-check: the tests do not collect, or -k '$COPY_PATH_TESTS' picks too few of them:" >&2
     tail -n 5 <<<"$selected" >&2
-    ok=1
-  fi
-  if ! mkdir -p "$OUTDIR" || [ ! -w "$OUTDIR" ]; then
-    echo "gpu-check: cannot write to $OUTDIR" >&2
-    ok=1
-  elif [ "$(find "$OUTDIR" -maxdepth 1 -type f | wc -l)" -gt 0 ]; then
-    echo "gpu-check: $OUTDIR is not empty (at most 8 files come back from a device run: use an empty one)" >&2
     ok=1
   fi
   return $ok

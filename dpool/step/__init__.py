@@ -51,5 +51,5 @@ CUT_POINTS = (
     _replicas.ReplicaSet.rebuild, _replicas.ReplicaSet._params_ref, _replicas.ReplicaSet._follow_patches,
     _follow.in_transform, _follow.in_dual_level, _follow.follow_numerics, _follow.follow_backend_flags,
     _follow.Notices.new, _follow.Notices.attributes,
-    _state.StepState.draw_seed, _state._mix, _state.SlotGen.bump, _state.SlotGen.token, _state.SlotGen.valid,
+    _state.StepState.draw_seed, _state.SlotGen.bump, _state.SlotGen.token, _state.SlotGen.valid,
 )

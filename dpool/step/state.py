@@ -18,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
-import zlib
+import hashlib
 
 from typing import Any, Sequence
 
@@ -80,13 +80,6 @@ class SlotGen:
         return token == self._gen
 
 
-def _mix(x: int) -> int:
-    """SplitMix64's finalizer: 64 well-mixed bits from ``x`` (neighbouring counts give unrelated seeds)."""
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
 class StepState:
     """The state a step's stages share (see the module's invariants)."""
 
@@ -107,7 +100,7 @@ class StepState:
         self.restarting: list[int] | None = None  # workers whose restart a Ctrl-C cut short
         self.restarts_left = 0
         self.closed = False
-        self._rng_key = -1  # the checksum of the script's generator state at the latest forward
+        self._rng_key = b""  # the digest of the script's generator state at the latest forward
         self._rng_count = 0  # forwards since that state was first seen
 
     def draw_seed(self) -> int:
@@ -118,9 +111,10 @@ class StepState:
         numbers. Each shard seeds its own stream from it (as replicas on several GPUs draw their own), so the
         numbers differ from a single process's."""
         state = torch.default_generator.get_state()  # (read as bytes without numpy, which dpool does without)
-        key = zlib.crc32(ctypes.string_at(state.data_ptr(), state.numel()))
+        key = hashlib.blake2b(ctypes.string_at(state.data_ptr(), state.numel()), digest_size=8).digest()
         if key == self._rng_key:
             self._rng_count += 1
         else:
             self._rng_key, self._rng_count = key, 0
-        return _mix(key << 32 | self._rng_count & 0xFFFFFFFF) >> 2  # (below 2**62: a msgpack int)
+        seed = hashlib.blake2b(self._rng_count.to_bytes(8, "little"), digest_size=8, key=key).digest()
+        return int.from_bytes(seed, "little") >> 2  # (below 2**62: a msgpack int)
