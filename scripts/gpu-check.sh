@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything dpool checks on a GPU, in one run on a lent machine with one GPU (under 8 minutes on an H100):
+# Everything dpool checks on a GPU, in one run on a machine with one GPU, each step within its own time limit:
 #   bash scripts/gpu-wheels.sh                 # first, on a machine with a package index: the wheels it needs
 #   bash scripts/gpu-check.sh [OUT]            # on the GPU machine; OUT defaults to $OUT, else gpu-check-out/
 #   bash scripts/gpu-check.sh --dry-run [OUT]  # anywhere: the wheels, the test selection and OUT are checked,
