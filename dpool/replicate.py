@@ -56,6 +56,7 @@ from . import held as _held
 from . import sync_batchnorm as _sync_bn
 from .errors import DpoolValueError, ModelChangedError, UnpicklableModelError, UnsupportedError
 from .layout import Layout
+from .patches import code_names
 from .tensors import dense_strides, dtype_name
 from .transport.base import standalone
 
@@ -138,13 +139,7 @@ def _rewriter_globals(func: types.FunctionType) -> dict[str, Any]:
     """The globals ``func``'s code names that a code rewriter put in its module under names no source can
     write: pytest's assertion rewriting adds ``@py_builtins`` and ``@pytest_ar`` to a test module, whose
     failing asserts call them. A worker's own import of the module was not rewritten, so they travel."""
-    names: set[str] = set()
-    codes = [func.__code__]
-    while codes:
-        code = codes.pop()
-        names.update(n for n in code.co_names if not n.isidentifier())
-        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return {n: func.__globals__[n] for n in names if n in func.__globals__}
+    return {n: func.__globals__[n] for n in code_names(func.__code__) if not n.isidentifier() and n in func.__globals__}
 
 
 def _function_skeleton(module: str, code: types.CodeType, name: str, ncells: int,
