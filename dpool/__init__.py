@@ -39,13 +39,14 @@ _LAZY = {
     "DataParallel": "wrapper", "wrap": "wrapper", "unwrap": "wrapper",
     "is_wrapped": "wrapper", "ShardedOutput": "loss", "criterion": "loss",
     "SyncBatchNorm": "sync_batchnorm", "convert_sync_batchnorm": "sync_batchnorm",
-    "data_parallel": "functional",
+    "data_parallel": "functional", "install": "installer", "uninstall": "installer", "installed": "installer",
 }
 
 if TYPE_CHECKING:
     from .loss import ShardedOutput, criterion
     from .functional import data_parallel
     from .wrapper import DataParallel, is_wrapped, unwrap, wrap
+    from .installer import install, installed, uninstall
     from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 
@@ -90,6 +91,9 @@ __all__ = [
     "is_wrapped",
     "DataParallel",
     "data_parallel",
+    "install",
+    "uninstall",
+    "installed",
     "SyncBatchNorm",
     "ShardedOutput",
     "criterion",

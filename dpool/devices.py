@@ -21,6 +21,12 @@ __all__ = ["DeviceLike", "parse_devices", "check_devices", "pool_devices"]
 DeviceLike: TypeAlias = "int | str | torch.device"
 
 
+def cpu_workers() -> list[str]:
+    """The default CPU workers: one per physical core this process may run on (its share of them under ``torchrun``
+    with several coordinators per machine)."""
+    return ["cpu"] * max(1, physical_cores() // local_share()[1])
+
+
 def parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
     """``device_ids`` as one string per worker: ``"cpu"`` or ``"cuda:i"``.
 
@@ -36,7 +42,7 @@ def parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
             per = len(gpus) // size
             mine = gpus[rank * per:(rank + 1) * per] if per else [gpus[rank % len(gpus)]]
             return [f"cuda:{i}" for i in mine]
-        return ["cpu"] * max(1, physical_cores() // size)
+        return cpu_workers()
     if isinstance(device_ids, (str, int, torch.device)):
         raise DpoolTypeError("device_ids must be a list, e.g. ['cpu', 'cpu'] or [0, 1]")
     devices: list[str] = []

@@ -35,6 +35,15 @@ class DataParallel(nn.DataParallel):
     and sums their parameter gradients into the master module's ``.grad``, so
     a single optimizer on ``model.parameters()`` trains every replica.
 
+    As with ``nn.DataParallel``, constructing it checks the arguments only: the
+    workers start at the first forward (or at :meth:`no_sync`, :meth:`stats`,
+    :meth:`worker_states`), from the module as it is then, so that
+    ``DataParallel(net).cuda()`` and ``.to(device)`` after wrapping work, and
+    errors about the module or the workers come from that first call.
+    :func:`wrap` starts them at once. A module already held by a live pool
+    started with the same arguments (a library that wraps the model again for
+    every evaluation) joins that pool instead of starting another.
+
     On CPU the master's parameters live in shared memory and the replicas use
     them directly: an optimizer step reaches every worker with no copy. On GPUs
     they live in a GPU buffer shared over CUDA IPC, used directly by the workers
@@ -97,7 +106,7 @@ class DataParallel(nn.DataParallel):
 
         >>> net = torch.nn.Linear(10, 2)
         >>> model = dpool.DataParallel(net, device_ids=["cpu", "cpu"])
-        >>> out = model(torch.randn(8, 10))      # shards of 4 rows on 2 workers
+        >>> out = model(torch.randn(8, 10))      # starts 2 workers; shards of 4 rows
         >>> out.sum().backward()                 # net.weight.grad is filled
         >>> model.close()
 
@@ -137,14 +146,6 @@ class DataParallel(nn.DataParallel):
         if not isinstance(module, nn.Module):
             raise DpoolTypeError(f"dpool.wrap expects an nn.Module, got {type(module).__name__}")
         self._wrap_args: tuple | None = None  # set by wrap(), which compares it
-        old = _bound_model(module)
-        if old is not None:
-            warnings.warn(
-                f"this module is already bound to a live dpool pool (workers {old.pids}, device_ids "
-                f"{old.device_ids}); closing that pool before wrapping it again with other arguments. To keep "
-                "it, reuse the model dpool.wrap() returned, or call dpool.wrap() with the same arguments.",
-                UserWarning, stacklevel=4 if _in_wrap() else 2)
-            old._close_pool()
         pool = pool if pool is not None else knobs.get("DPOOL_POOL")
         if pool is not None:  # attach to a running dpool-workers daemon: its devices
             devices = pool_devices(pool)
@@ -155,41 +156,54 @@ class DataParallel(nn.DataParallel):
         out_dev = check_devices(devices, output_device)
         if not isinstance(dim, int) or dim < 0:
             raise DpoolValueError(f"dim must be a non-negative int, got {dim!r}")
+        if not isinstance(max_restarts, int) or max_restarts < 0:
+            raise DpoolValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
         self.module = module
         self.device_ids: list[str] = devices
         self.output_device = out_dev
         self.dim = dim
         cfg = (config or Config()).replace(**options) if options else (config or Config())
         threads = worker_threads or max(1, physical_cores() // (len(devices) * local_share()[1]))
-        self._saved_threads = torch.get_num_threads()
+        self._saved_threads: int | None = None
         self._runtime: Runtime | None = None
         self._closing: Runtime | None = None  # a close() cut short (Ctrl-C): the next close() finishes it
         self._close_lock, self._owner_thread = threading.Lock(), threading.get_ident()
         self._sharing: weakref.WeakSet[DataParallel] = weakref.WeakSet([self])  # the open models on this pool
-        if not isinstance(max_restarts, int) or max_restarts < 0:
-            raise DpoolValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
+        # What starts the workers, and what a pool must have been started with for this model to join it
+        self._start_with: Any = functools.partial(
+            Runtime, module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
+            str(out_dev))
+        self._key = (devices, str(out_dev), dim, cfg, threads, max_restarts, buffers,
+                     None if shard_weights is None else list(shard_weights), balance, gather, pool)
+        # _lazy: not started yet, the first use starts it; _reopens: closed, the next forward starts it again
+        self._lazy, self._reopens, self._coordinator_threads = True, False, coordinator_threads
         group = resolve_group(process_group)
         self._nodes: CrossNode | None = None
-        if group is not None:
+        if group is not None:  # (every rank joins here, at one point of the script: the pool starts now)
             self._nodes = CrossNode(group, cfg, torch.device(devices[0]), auto=isinstance(process_group, str))
+            self._start_with = functools.partial(self._start_with, nodes=self._nodes)
+            self._unbind_old(stacklevel=4 if _in_wrap() else 3)
             try:
                 self._nodes.join(module, len(devices))
             except BaseException as exc:
                 self._nodes.fail(exc)
                 self._nodes.close()
                 raise
-        self._runtime = Runtime(module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance,
-                                gather, pool, str(out_dev), nodes=self._nodes)
-        _BOUND[module] = weakref.ref(self)
-        # what _reopen() starts (one node only: a cross-node pool is the job's), and whether a forward reopens
-        self._reopen_with: Any = None if self._nodes is not None else functools.partial(
-            Runtime, module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
-            str(out_dev))
-        self._reopens, self._coordinator_threads = False, coordinator_threads
-        if coordinator_threads is not None:
-            torch.set_num_threads(coordinator_threads)
-        else:
-            self._saved_threads = None
+            self._start()
+            self._start_with = None  # (a cross-node pool is the job's: it is never started again)
+
+    def _unbind_old(self, stacklevel: int = 3) -> None:
+        """Close the live pool of this model's module made with other arguments (a module is never bound to two
+        pools), with a warning."""
+        old = _bound_model(self.module)
+        if old is None:
+            return
+        warnings.warn(
+            f"this module is already bound to a live dpool pool (workers {old.pids}, device_ids "
+            f"{old.device_ids}); closing that pool before wrapping it again with other arguments. To keep "
+            "it, reuse the model dpool.wrap() returned, or call dpool.wrap() with the same arguments.",
+            UserWarning, stacklevel=stacklevel)
+        old._close_pool()
 
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Not traceable on purpose: a step talks to other processes. Under torch.compile(dpool.wrap(net))
@@ -201,14 +215,7 @@ class DataParallel(nn.DataParallel):
         return self._dispatch(inputs, kwargs)
 
     def _dispatch(self, inputs: tuple, kwargs: dict) -> Any:
-        rt = self._runtime
-        if rt is None and self._reopens:
-            rt = self._reopen()
-        if rt is None:
-            raise PoolBrokenError(
-                "this dpool model is closed; call model.module(...) or dpool.unwrap(model), or wrap it again"
-            )
-        return rt.forward(inputs, kwargs)
+        return self._live().forward(inputs, kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -227,9 +234,7 @@ class DataParallel(nn.DataParallel):
         nothing is held: each backward reduces as outside the context, so the
         hook sees every micro-batch's gradient, as in one process.
         """
-        rt = self._runtime
-        if rt is None:
-            raise PoolBrokenError("this dpool model is closed")
+        rt = self._live()
         old, rt.no_sync = rt.no_sync, True
         try:
             yield
@@ -259,10 +264,7 @@ class DataParallel(nn.DataParallel):
         Use it to read state that replicas keep in Python attributes (counters,
         caches), which never reaches the master.
         """
-        rt = self._runtime
-        if rt is None:
-            raise PoolBrokenError("this dpool model is closed")
-        return rt.call_workers(fn)
+        return self._live().call_workers(fn)
 
     def stats(self, inspect: bool = False) -> dict[str, Any]:
         """Timings and traffic of the latest step, per worker.
@@ -291,9 +293,7 @@ class DataParallel(nn.DataParallel):
             ``rounds_spun`` (rounds so far whose replies the coordinator caught while it spun instead of
             sleeping: short rounds, see ``DPOOL_WAIT_SPIN_US`` in docs/knobs.md).
         """
-        rt = self._runtime
-        if rt is None:
-            raise PoolBrokenError("this dpool model is closed")
+        rt = self._live()
         held = rt.inspect() if inspect else None
         return rt.stats.snapshot([w.pid for w in rt.pool.workers], self.device_ids, held, rt.pool.rounds_spun)
 
@@ -327,6 +327,7 @@ class DataParallel(nn.DataParallel):
         short (Ctrl-C) is finished by the next one.
         """
         with self._close_lock:
+            self._lazy = False
             rt = self._runtime
             others = [m for m in self._sharing if m is not self and m._runtime is rt] if rt is not None else []
             if others:  # another model of this module still uses the pool: it stays
@@ -346,29 +347,45 @@ class DataParallel(nn.DataParallel):
                 torch.set_num_threads(self._saved_threads)
                 self._saved_threads = None
 
-    def _reopen(self) -> Runtime | None:
-        """Start workers again, with this model's arguments, if it was closed: the trainer integrations keep one
-        model for the trainer's life (what it hands out as ``model_wrapped`` stays usable) and run its workers
-        only while ``train()``, ``evaluate()`` or ``predict()`` runs. A live pool of the module made with the same
-        arguments is joined, as :func:`wrap` would; one made with others is closed first (a module is never bound
-        to two pools)."""
+    def _start(self) -> Runtime | None:
+        """Start the workers, if this model has none, with its arguments. A live pool of the module started with
+        the same arguments is joined (as :func:`wrap` joins one, and as a library that wraps a module again for
+        every evaluation needs); one started with others is closed first, with a warning (a module is never bound
+        to two pools). Models start at their first use (so that ``DataParallel(net).cuda()`` works, as with
+        torch's), :func:`wrap` starts them at once, and the trainer integrations start theirs again after a
+        close (``_reopens``: what they hand out as ``model_wrapped`` stays usable, and runs workers only while
+        ``train()``, ``evaluate()`` or ``predict()`` runs)."""
         with self._close_lock:
-            if self._runtime is not None or self._reopen_with is None or self._closing is not None:
+            if self._runtime is not None or self._start_with is None or self._closing is not None:
                 return self._runtime
+            self._lazy = False
             old = _bound_model(self.module)
-            if old is not None and old._wrap_args == self._wrap_args:  # (its lock may be this one: no close)
+            if old is not None and old._key == self._key:  # (its lock may be this one: no close)
                 self._runtime, self._sharing, self._close_lock = old._runtime, old._sharing, old._close_lock
                 self._sharing.add(self)
                 return self._runtime
-            if old is not None:
-                old._close_pool()
-            self._runtime = self._reopen_with()
+            self._unbind_old(stacklevel=4 if self._starting_in_wrap() else 6)
+            self._runtime = self._start_with()
             self._sharing = weakref.WeakSet([self])
             _BOUND[self.module] = weakref.ref(self)
             if self._coordinator_threads is not None and threading.get_ident() == self._owner_thread:
                 self._saved_threads = torch.get_num_threads()
                 torch.set_num_threads(self._coordinator_threads)
             return self._runtime
+
+    @staticmethod
+    def _starting_in_wrap() -> bool:
+        return _in_wrap(3)
+
+    def _live(self) -> Runtime:
+        """The runtime, started first if this model starts on use; ``PoolBrokenError`` if it was closed."""
+        rt = self._runtime
+        if rt is None and (self._lazy or self._reopens):
+            rt = self._start()
+        if rt is None:
+            raise PoolBrokenError(
+                "this dpool model is closed; call model.module(...) or dpool.unwrap(model), or wrap it again")
+        return rt
 
     def _close_pool(self) -> None:
         """Close the pool itself: every model on it reads as closed."""
@@ -385,9 +402,9 @@ class DataParallel(nn.DataParallel):
         nn.Module.__init__(other)
         other.module = self.module
         for name in ("device_ids", "output_device", "dim", "_wrap_args", "_runtime", "_close_lock", "_owner_thread",
-                     "_nodes", "_sharing", "_reopen_with", "_coordinator_threads"):
+                     "_nodes", "_sharing", "_start_with", "_key", "_coordinator_threads"):
             object.__setattr__(other, name, getattr(self, name))
-        other._closing, other._saved_threads, other._reopens = None, None, False
+        other._closing, other._saved_threads, other._reopens, other._lazy = None, None, False, False
         other.training = self.training
         self._sharing.add(other)
         return other
@@ -506,6 +523,7 @@ def wrap(
         return live._another()
     model = DataParallel(module, device_ids, output_device, dim, **kwargs)
     model._wrap_args = key
+    model._start()
     return model
 
 
@@ -522,10 +540,8 @@ def _bound_model(module: nn.Module) -> DataParallel | None:
     return model
 
 
-def _in_wrap() -> bool:
-    import sys
-
-    return sys._getframe(2).f_code is wrap.__code__
+def _in_wrap(depth: int = 2) -> bool:
+    return sys._getframe(depth).f_code is wrap.__code__
 
 
 def _wrap_args(device_ids: Any, output_device: Any, dim: int, kwargs: dict) -> tuple:

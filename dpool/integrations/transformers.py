@@ -11,6 +11,7 @@ runs every forward through a dpool model (``trainer.model_wrapped``), in place o
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import functools
 import warnings
 import weakref
@@ -22,7 +23,7 @@ from torch.utils import _pytree
 from transformers import Trainer
 
 from .. import scatter
-from ..devices import DeviceLike
+from ..devices import DeviceLike, cpu_workers, parse_devices
 from ..errors import UnsupportedError
 from ..wrapper import DataParallel, is_wrapped, unwrap, wrap
 
@@ -36,7 +37,7 @@ class _Pool:
     ``weakref.finalize`` holds this, not the trainer), and start again at its next forward."""
 
     def __init__(self, device_ids: Sequence[DeviceLike] | None, options: dict[str, Any]) -> None:
-        self.device_ids = None if device_ids is None else list(device_ids)
+        self.device_ids: list[DeviceLike] | None = None if device_ids is None else list(device_ids)
         self.options = options
         self.model: DataParallel | None = None
         self.depth = 0
@@ -49,7 +50,7 @@ class _Pool:
             model._reopens = True
             model.forward = _share_items(model, model.forward)
         elif model._runtime is None:
-            model._reopen()
+            model._start()
         return model
 
     def close(self) -> None:
@@ -71,15 +72,17 @@ class DpoolTrainerMixin(_Base):
 
     Args:
         device_ids (list of int, str or torch.device, optional): one worker per entry, as
-            :func:`dpool.wrap`'s. Default: every visible GPU, or one CPU worker per physical core.
+            :func:`dpool.wrap`'s. Default: the Trainer's devices: every visible GPU, or with
+            ``use_cpu=True`` (or no GPU) one CPU worker per physical core.
         dpool_options (dict, optional): other keyword arguments of :func:`dpool.wrap`
             (``worker_threads``, ``max_restarts``, ``buffers``...).
 
     What it changes:
 
-    * every forward (training, evaluation, prediction) runs on the workers, and the batch the Trainer
-      loads is the batch dpool splits (``per_device_train_batch_size`` is the batch per step, as in one
-      process; the Trainer's own ``nn.DataParallel`` is never used);
+    * every forward (training, evaluation, prediction) runs on the workers (the Trainer's own
+      ``nn.DataParallel`` is never used), and the batch per step is ``per_device_train_batch_size`` (and
+      ``per_device_eval_batch_size``) times the number of workers, as the Trainer's ``nn.DataParallel`` path
+      computes it: ``trainer.args.train_batch_size`` says so, and the steps per epoch follow;
     * the loss logged and backpropagated is the mean of the shards' losses, as the Trainer computes it
       for ``nn.DataParallel``; a model that normalizes its loss by ``num_items_in_batch`` gets each
       shard's share of it, so the mean equals one process's loss, and a ``compute_loss`` that normalizes
@@ -107,9 +110,12 @@ class DpoolTrainerMixin(_Base):
         weakref.finalize(self, self._dpool.close)
         super().__init__(*args, **kwargs)
         self._refuse_what_dpool_cannot_do()
-        # One process drives every worker: the Trainer's DataParallel paths (which wrap the model, scale
-        # the batch by the GPU count and split num_items_in_batch) are dpool's here, as for model parallelism.
-        self.args._n_gpu = min(self.args.n_gpu, 1)
+        devices: list[DeviceLike] = list(parse_devices(None) if self.args.device.type == "cuda" else cpu_workers()) \
+            if self._dpool.device_ids is None else self._dpool.device_ids  # (default: the Trainer's devices)
+        self._dpool.device_ids = devices
+        # One process drives every worker: the Trainer's DataParallel paths (which wrap the model and split
+        # num_items_in_batch over GPUs) are dpool's here, as for model parallelism; its batch is theirs.
+        self.args = _per_worker_batches(self.args, len(devices))
         self._train_batch_size = self.args.train_batch_size
 
     def _refuse_what_dpool_cannot_do(self) -> None:
@@ -191,6 +197,63 @@ class DpoolTrainerMixin(_Base):
         if torch.is_tensor(loss) and loss.dim() > 0:
             loss = loss.mean()  # the shards' losses, one per worker
         return (loss, outputs) if return_outputs else loss
+
+
+def _per_worker_batches(args: Any, workers: int) -> Any:
+    """A copy of the Trainer's arguments whose ``train_batch_size`` and ``eval_batch_size`` are the per-device sizes
+    times ``workers`` (as for the Trainer's ``nn.DataParallel``, with ``n_gpu`` GPUs), with ``n_gpu`` at most 1 (so
+    the Trainer builds no DataParallel of its own). It pickles as the arguments' own class."""
+    scaled = _SCALED.get(type(args))
+    if scaled is None:
+        scaled = _SCALED[type(args)] = type(type(args).__name__, (_WorkerBatches, type(args)),
+                                            {"__module__": type(args).__module__})
+    copy: Any = object.__new__(scaled)
+    copy.__dict__.update(vars(args))
+    copy._n_gpu, copy._dpool_workers = min(args.n_gpu, 1), workers
+    return copy
+
+
+class _WorkerBatches:
+    _dpool_workers: int
+    per_device_train_batch_size: int
+    per_device_eval_batch_size: int
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size * self._dpool_workers
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size * self._dpool_workers
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # (torch.save(trainer.args): the arguments' own class)
+        state = {k: v for k, v in vars(self).items() if k != "_dpool_workers"}
+        rebuild = copyreg._reconstructor  # type: ignore[attr-defined]
+        return rebuild, (type(self).__mro__[2], object, None), state
+
+
+_SCALED: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+
+
+def installed_trainer_class(cls: type, options: dict[str, Any]) -> type:
+    """What ``dpool.install()`` makes of a Trainer class: the subclass with :class:`DpoolTrainerMixin` first, whose
+    constructor takes the installation's ``device_ids`` and options (see ``dpool/installer.py``)."""
+    if issubclass(cls, DpoolTrainerMixin):
+        return cls
+    made = _INSTALLED.get(cls)
+    if made is None:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            options = dict(type(self)._dpool_options)
+            DpoolTrainerMixin.__init__(self, *args, device_ids=options.pop("device_ids", None), dpool_options=options,
+                                       **kwargs)
+
+        made = _INSTALLED[cls] = type(cls.__name__, (DpoolTrainerMixin, cls), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__init__": __init__})
+    made._dpool_options = dict(options)  # type: ignore[attr-defined]
+    return made
+
+
+_INSTALLED: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
 
 
 def _share_items(model: DataParallel, forward: Any) -> Any:
