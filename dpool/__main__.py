@@ -84,8 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.module:
             runpy.run_module(opts.target, run_name="__main__", alter_sys=True)
         else:
-            sys.path[0] = os.path.dirname(os.path.abspath(opts.target))
-            runpy.run_path(opts.target, run_name="__main__")
+            path = os.path.abspath(opts.target)  # (__file__ and the traceback's file name: absolute, as Python's)
+            sys.path[0] = os.path.dirname(path)
+            runpy.run_path(path, run_name="__main__")
     except KeyboardInterrupt:
         raise  # (Python's own handling: the traceback, and the exit status of a process ended by SIGINT)
     except Exception as exc:  # the traceback as Python prints it for the script, without this file's frames

@@ -32,7 +32,8 @@ with tempfile.TemporaryDirectory() as out:
         for name, cls, extra in (("plain", Trainer, {}), ("dpool", DpoolTrainer, {"device_ids": [0, 0]})):
             torch.manual_seed(0)
             model = BertForSequenceClassification(BertConfig(**cfg))
-            args = TrainingArguments(f"{out}/{precision}-{name}", per_device_train_batch_size=16, max_steps=4,
+            per_device = 16 // len(extra.get("device_ids", [0]))  # (16 rows a step in both runs)
+            args = TrainingArguments(f"{out}/{precision}-{name}", per_device_train_batch_size=per_device, max_steps=4,
                                      learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0,
                                      disable_tqdm=True, **{precision: True})
             trainer = cls(model=model, args=args, train_dataset=data, **extra)

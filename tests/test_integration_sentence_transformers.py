@@ -55,8 +55,10 @@ def test_sentence_transformer_trainer_evaluates_and_trains_on_the_workers(tmp_pa
     for name, cls, extra in (("plain", SentenceTransformerTrainer, {}),
                              ("dpool", DpoolSentenceTransformerTrainer, {"device_ids": ["cpu", "cpu"]})):
         model = _model(tmp_path / "base")
+        per_device = 8 // len(extra.get("device_ids", [0]))  # (a batch of 8 in both: 4 per worker for dpool's)
         args = SentenceTransformerTrainingArguments(
-            str(tmp_path / name), use_cpu=True, per_device_train_batch_size=8, per_device_eval_batch_size=8,
+            str(tmp_path / name), use_cpu=True, per_device_train_batch_size=per_device,
+            per_device_eval_batch_size=per_device,
             max_steps=4, learning_rate=0.05, optim="sgd", logging_steps=1, report_to=[], save_strategy="no", seed=0,
             disable_tqdm=True)
         trainer = cls(model=model, args=args, train_dataset=train, eval_dataset=evaluation,

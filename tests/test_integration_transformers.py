@@ -26,8 +26,11 @@ def _classification_data(n: int = 32) -> list[dict]:
              "label": int(torch.randint(0, 3, (1,), generator=g)), "note": "unused"} for _ in range(n)]
 
 
-def _args(out, **kw) -> TrainingArguments:
-    base = dict(use_cpu=True, per_device_train_batch_size=8, per_device_eval_batch_size=8, max_steps=4,
+def _args(out, workers: int = 1, **kw) -> TrainingArguments:
+    """Batches of 8 rows: per device, for one process; 8 // workers per worker for a DpoolTrainer, whose batch is
+    the per-device size times its workers (as the Trainer's nn.DataParallel path computes it)."""
+    base = dict(use_cpu=True, per_device_train_batch_size=8 // workers, per_device_eval_batch_size=8 // workers,
+                max_steps=4,
                 learning_rate=1e-2, gradient_accumulation_steps=2, logging_steps=1, report_to=[], save_strategy="no",
                 seed=0, dataloader_drop_last=True, disable_tqdm=True)
     base.update(kw)
@@ -56,7 +59,8 @@ def test_dpool_trainer_trains_evaluates_and_saves_like_the_trainer(tmp_path, mon
     for name, cls, extra in (("plain", Trainer, {}), ("dpool", DpoolTrainer, {"device_ids": ["cpu", "cpu"]})):
         torch.manual_seed(0)
         model = BertForSequenceClassification(BertConfig(**_BERT))
-        trainer = cls(model=model, args=_args(tmp_path / name), train_dataset=data, eval_dataset=data[:16], **extra)
+        trainer = cls(model=model, args=_args(tmp_path / name, workers=len(extra.get("device_ids", [0]))),
+                      train_dataset=data, eval_dataset=data[:16], **extra)
         trainer.train()
         runs[name] = (model, trainer, trainer.evaluate(), trainer.predict(data[:16]))
     (ref, ref_trainer, ref_eval, ref_pred), (model, trainer, evaluation, pred) = runs["plain"], runs["dpool"]
@@ -95,7 +99,8 @@ def test_a_loss_normalized_by_the_items_in_the_batch_equals_one_process(tmp_path
     for name, cls, extra in (("plain", Trainer, {}), ("dpool", DpoolTrainer, {"device_ids": ["cpu", "cpu"]})):
         torch.manual_seed(0)
         models[name] = LlamaForCausalLM(LlamaConfig(**cfg))
-        trainers[name] = cls(model=models[name], args=_args(tmp_path / name, max_steps=3), train_dataset=_lm_data(),
+        trainers[name] = cls(model=models[name], args=_args(tmp_path / name, len(extra.get("device_ids", [0])),
+                                                            max_steps=3), train_dataset=_lm_data(),
                              **extra)
         trainers[name].train()
     assert trainers["plain"].model_accepts_loss_kwargs  # (the path under test)
@@ -105,7 +110,7 @@ def test_a_loss_normalized_by_the_items_in_the_batch_equals_one_process(tmp_path
 
 def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
     data = _classification_data()
-    args = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    args = dict(workers=2, max_steps=4, save_strategy="steps", save_steps=2)
     torch.manual_seed(0)
     whole = BertForSequenceClassification(BertConfig(**_BERT))
     DpoolTrainer(model=whole, args=_args(tmp_path / "whole", **args), train_dataset=data,
@@ -129,7 +134,8 @@ def test_bf16_autocast_reaches_the_workers(tmp_path):
         torch.manual_seed(0)
         model = BertForSequenceClassification(BertConfig(**_BERT))
         extra = {"device_ids": ["cpu", "cpu"]} if cls is DpoolTrainer else {}
-        trainer = cls(model=model, args=_args(tmp_path / name, **kw), train_dataset=data, **extra)
+        trainer = cls(model=model, args=_args(tmp_path / name, len(extra.get("device_ids", [0])), **kw),
+                      train_dataset=data, **extra)
         trainer.train()
         losses[name] = _losses(trainer)
     assert losses["dpool-bf16"] == pytest.approx(losses["plain-bf16"], rel=2e-3)
@@ -189,7 +195,8 @@ def test_a_compute_loss_normalized_by_the_items_in_the_batch_gets_the_whole_coun
                              ("dpool", type("Mixed", (DpoolTrainerMixin, plain), {}), {"device_ids": ["cpu", "cpu"]})):
         torch.manual_seed(0)
         models[name] = LlamaForCausalLM(LlamaConfig(**cfg))
-        trainers[name] = cls(model=models[name], args=_args(tmp_path / name, max_steps=3), train_dataset=_lm_data(),
+        trainers[name] = cls(model=models[name], args=_args(tmp_path / name, len(extra.get("device_ids", [0])),
+                                                            max_steps=3), train_dataset=_lm_data(),
                              **extra)
         trainers[name].train()
     assert trainers["plain"].model_accepts_loss_kwargs  # (the Trainer counts the items)
@@ -206,7 +213,7 @@ def test_model_wrapped_stays_usable_and_every_evaluation_runs_on_the_workers(tmp
     monkeypatch.setattr(dpool.DataParallel, "_forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(**_BERT))
-    trainer = DpoolTrainer(model=model, args=_args(tmp_path), train_dataset=data, eval_dataset=data[:16],
+    trainer = DpoolTrainer(model=model, args=_args(tmp_path, workers=2), train_dataset=data, eval_dataset=data[:16],
                            device_ids=["cpu", "cpu"])
     before = trainer.evaluate()
     assert len(calls) == 2 and dpool.is_wrapped(trainer.model_wrapped)  # 16 rows, 8 a batch: on the workers

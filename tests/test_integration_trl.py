@@ -47,7 +47,8 @@ def test_sft_trainer_with_lora_equals_one_process(tmp_path):
         # fp32 and SGD: the comparison is then exact up to the order of float sums (bf16 autocast, TRL's default,
         # and Adam's normalization of near-zero gradients amplify that order into visible differences)
         args = SFTConfig(str(tmp_path / name), use_cpu=True, bf16=False, optim="sgd", learning_rate=0.1,
-                         per_device_train_batch_size=8, max_steps=3, logging_steps=1, report_to=[], save_strategy="no",
+                         per_device_train_batch_size=8 // len(extra.get("device_ids", [0])), max_steps=3,
+                         logging_steps=1, report_to=[], save_strategy="no",
                          seed=0, disable_tqdm=True, max_length=16)
         trainer = cls(model=model, args=args, train_dataset=_dataset(), processing_class=_tokenizer(),
                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
