@@ -110,6 +110,9 @@ class DataParallel(nn.DataParallel):
         >>> out.sum().backward()                 # net.weight.grad is filled
         >>> model.close()
 
+    Attributes that the model lacks are the master module's (``model.generate(...)``,
+    ``model.config``), run in this process as they would be unwrapped.
+
     .. note::
         Buffers follow DataParallel: updates made by the replica of the first
         shard (e.g. BatchNorm running statistics) are copied to the master
@@ -204,6 +207,18 @@ class DataParallel(nn.DataParallel):
             "it, reuse the model dpool.wrap() returned, or call dpool.wrap() with the same arguments.",
             UserWarning, stacklevel=stacklevel)
         old._close_pool()
+
+    def __getattr__(self, name: str) -> Any:
+        # An attribute neither this model nor nn.Module has is the master module's (model.generate(...),
+        # model.config): it runs here, on the master, as it would unwrapped (torch's DataParallel raises
+        # AttributeError, a classic stumbling block of the HF Trainer's DataParallel path).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            return getattr(module, name)
 
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Not traceable on purpose: a step talks to other processes. Under torch.compile(dpool.wrap(net))

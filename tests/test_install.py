@@ -255,6 +255,7 @@ def test_the_installed_dataparallel_starts_at_its_first_forward_and_shares_a_mod
             again = torch.nn.DataParallel(net)  # what HF's evaluate() does each time: it joins the pool
             again(torch.randn(3, 4))
         assert again.pids == first.pids
+        assert again.in_features == 4 and again.extra_repr is not net.extra_repr  # the module's, where it lacks one
         del first  # dropping one wrapper never breaks the other
         again(torch.randn(3, 4)).sum().backward()
         pids = again.pids

@@ -65,6 +65,10 @@ def test_dpool_trainer_trains_evaluates_and_saves_like_the_trainer(tmp_path, mon
         runs[name] = (model, trainer, trainer.evaluate(), trainer.predict(data[:16]))
     (ref, ref_trainer, ref_eval, ref_pred), (model, trainer, evaluation, pred) = runs["plain"], runs["dpool"]
     assert trainer.model is model and dpool.is_wrapped(trainer.model_wrapped)
+    # the batch per step is per device x workers (8 rows, as the plain run's), as the Trainer's DataParallel has it
+    assert trainer.args.train_batch_size == trainer.args.eval_batch_size == 8 == ref_trainer.args.train_batch_size
+    assert trainer.args.per_device_train_batch_size == 4 and trainer.state.global_step == 4
+    assert trainer.model_wrapped.config is model.config  # (the module's attributes through the wrapper)
     assert _losses(trainer) == pytest.approx(_losses(ref_trainer), rel=1e-5) and len(_losses(trainer)) == 4
     assert len(held) == 4  # gradient_accumulation_steps=2: the first of each step's two micro-batches
     _assert_same_parameters(model, ref)
