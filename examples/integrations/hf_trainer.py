@@ -16,7 +16,8 @@ g = torch.Generator().manual_seed(0)
 data = [{"input_ids": torch.randint(0, 100, (16,), generator=g), "label": i % 2} for i in range(64)]
 
 with tempfile.TemporaryDirectory() as out:
-    args = TrainingArguments(out, use_cpu=True, per_device_train_batch_size=16, num_train_epochs=2,
+    # 8 rows per worker: 16 a step on two workers, as the Trainer's own DataParallel counts the batch
+    args = TrainingArguments(out, use_cpu=True, per_device_train_batch_size=8, num_train_epochs=2,
                              gradient_accumulation_steps=2, logging_steps=2, report_to=[], disable_tqdm=True)
     trainer = DpoolTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:16],
                            device_ids=["cpu", "cpu"])
