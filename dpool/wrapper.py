@@ -35,14 +35,11 @@ class DataParallel(nn.DataParallel):
     and sums their parameter gradients into the master module's ``.grad``, so
     a single optimizer on ``model.parameters()`` trains every replica.
 
-    As with ``nn.DataParallel``, constructing it checks the arguments only: the
-    workers start at the first forward (or at :meth:`no_sync`, :meth:`stats`,
-    :meth:`worker_states`), from the module as it is then, so that
-    ``DataParallel(net).cuda()`` and ``.to(device)`` after wrapping work, and
-    errors about the module or the workers come from that first call.
-    :func:`wrap` starts them at once. A module already held by a live pool
-    started with the same arguments (a library that wraps the model again for
-    every evaluation) joins that pool instead of starting another.
+    Constructing it checks the arguments only: the workers start at the first
+    forward (or :meth:`no_sync`, :meth:`stats`, :meth:`worker_states`), from the
+    module as it is then (``DataParallel(net).cuda()`` works); :func:`wrap`
+    starts them at once. A live pool of the module started with the same
+    arguments is joined, not started again.
 
     On CPU the master's parameters live in shared memory and the replicas use
     them directly: an optimizer step reaches every worker with no copy. On GPUs
@@ -178,40 +175,17 @@ class DataParallel(nn.DataParallel):
             str(out_dev))
         self._key = (devices, str(out_dev), dim, cfg, threads, max_restarts, buffers,
                      None if shard_weights is None else list(shard_weights), balance, gather, pool)
-        # _lazy: not started yet, the first use starts it; _reopens: closed, the next forward starts it again
-        self._lazy, self._reopens, self._coordinator_threads = True, False, coordinator_threads
+        self._lazy, self._reopens, self._coordinator_threads = True, False, coordinator_threads  # (see _live)
         group = resolve_group(process_group)
         self._nodes: CrossNode | None = None
         if group is not None:  # (every rank joins here, at one point of the script: the pool starts now)
             self._nodes = CrossNode(group, cfg, torch.device(devices[0]), auto=isinstance(process_group, str))
-            self._start_with = functools.partial(self._start_with, nodes=self._nodes)
-            self._unbind_old(stacklevel=4 if _in_wrap() else 3)
-            try:
-                self._nodes.join(module, len(devices))
-            except BaseException as exc:
-                self._nodes.fail(exc)
-                self._nodes.close()
-                raise
+            self._start_with = functools.partial(_join_nodes, self._nodes, module, len(devices), self._start_with)
             self._start()
             self._start_with = None  # (a cross-node pool is the job's: it is never started again)
 
-    def _unbind_old(self, stacklevel: int = 3) -> None:
-        """Close the live pool of this model's module made with other arguments (a module is never bound to two
-        pools), with a warning."""
-        old = _bound_model(self.module)
-        if old is None:
-            return
-        warnings.warn(
-            f"this module is already bound to a live dpool pool (workers {old.pids}, device_ids "
-            f"{old.device_ids}); closing that pool before wrapping it again with other arguments. To keep "
-            "it, reuse the model dpool.wrap() returned, or call dpool.wrap() with the same arguments.",
-            UserWarning, stacklevel=stacklevel)
-        old._close_pool()
-
     def __getattr__(self, name: str) -> Any:
-        # An attribute neither this model nor nn.Module has is the master module's (model.generate(...),
-        # model.config): it runs here, on the master, as it would unwrapped (torch's DataParallel raises
-        # AttributeError, a classic stumbling block of the HF Trainer's DataParallel path).
+        # what neither this model nor nn.Module has is the master's (model.generate, model.config), run here
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -236,18 +210,14 @@ class DataParallel(nn.DataParallel):
     def no_sync(self) -> Iterator[None]:
         """Keep parameter gradients on the workers during gradient accumulation.
 
-        Backward passes inside the context accumulate gradients in each
-        worker; the first backward after leaving it transfers the accumulated
-        sum once, as ``DistributedDataParallel.no_sync`` does. Input gradients
-        are returned as usual. The master's ``.grad`` is only updated by that
-        first backward outside the context; until then each parameter with a
-        held gradient has a zero ``.grad`` there. As with DDP, whose ``.grad``
-        holds them, ``zero_grad()`` in between drops the held gradients, and an
-        optimizer step over them raises ``UnsupportedError`` (see
-        ``dpool/accumulate.py``). While a hook is registered on a master
-        parameter (``register_hook``, ``register_post_accumulate_grad_hook``),
-        nothing is held: each backward reduces as outside the context, so the
-        hook sees every micro-batch's gradient, as in one process.
+        Backward passes inside the context accumulate gradients in each worker; the first backward after leaving it
+        transfers the accumulated sum once, as ``DistributedDataParallel.no_sync`` does. Input gradients are
+        returned as usual. The master's ``.grad`` is only updated by that first backward outside the context; until
+        then each parameter with a held gradient has a zero ``.grad`` there. As with DDP, whose ``.grad`` holds
+        them, ``zero_grad()`` in between drops the held gradients, and an optimizer step over them raises
+        ``UnsupportedError`` (see ``dpool/accumulate.py``). While a hook is registered on a master parameter
+        (``register_hook``, ``register_post_accumulate_grad_hook``), nothing is held: each backward reduces as
+        outside the context, so the hook sees every micro-batch's gradient, as in one process.
         """
         rt = self._live()
         old, rt.no_sync = rt.no_sync, True
@@ -285,28 +255,25 @@ class DataParallel(nn.DataParallel):
         """Timings and traffic of the latest step, per worker.
 
         Args:
-            inspect: also ask every worker what it holds (one round trip to the workers; raises
-                like a forward if the pool is broken): per worker, ``graphs_kept`` (autograd graphs
-                it keeps for outputs you can still backpropagate through; a number that grows step
-                after step means something holds on to old outputs) and ``rss_bytes`` (its resident
-                memory).
+            inspect: also ask every worker what it holds (one round trip to the workers; raises like a forward if the
+                pool is broken): per worker, ``graphs_kept`` (autograd graphs it keeps for outputs you can still
+                backpropagate through; a number that grows step after step means something holds on to old outputs)
+                and ``rss_bytes`` (its resident memory).
 
         Returns:
-            dict: ``steps`` (forwards so far), ``restarts`` (workers respawned), ``shard_rows``
-            (rows per shard of the latest forward), ``workers`` (per worker: ``index``, ``device``,
-            ``pid``, ``forward_ms`` and ``backward_ms``, the time its handler took in the latest
-            forward and backward; ``forward_request_ms``, ``forward_reply_ms``, ``backward_request_ms``
-            and ``backward_reply_ms``, the time its request took to reach the handler and its reply to
-            be read back; with ``inspect``, ``graphs_kept`` and ``rss_bytes``), ``round_ms``
-            (``forward``, ``backward``: each round's wall time, 0 for a backward that the loss round
-            already ran; a forward sent with its loss counts the whole round, loss included) and
-            ``bytes_per_step`` (``inputs``, ``outputs``, ``output_grads`` and ``param_grads`` moved
-            through shared memory in the latest step), ``backward_rounds_saved`` (backwards of a
-            :class:`dpool.criterion`'s loss that the workers had already run in the loss round),
-            ``forward_rounds_saved`` (``gather=False`` forwards that went to the workers with their loss, in
-            one round: see "Loss on the workers" in docs/features.md),
-            ``rounds_spun`` (rounds so far whose replies the coordinator caught while it spun instead of
-            sleeping: short rounds, see ``DPOOL_WAIT_SPIN_US`` in docs/knobs.md).
+            dict: ``steps`` (forwards so far), ``restarts`` (workers respawned), ``shard_rows`` (rows per shard of the
+            latest forward), ``workers`` (per worker: ``index``, ``device``, ``pid``, ``forward_ms`` and
+            ``backward_ms``, the time its handler took in the latest forward and backward; ``forward_request_ms``,
+            ``forward_reply_ms``, ``backward_request_ms`` and ``backward_reply_ms``, the time its request took to
+            reach the handler and its reply to be read back; with ``inspect``, ``graphs_kept`` and ``rss_bytes``),
+            ``round_ms`` (``forward``, ``backward``: each round's wall time, 0 for a backward that the loss round
+            already ran; a forward sent with its loss counts the whole round, loss included) and ``bytes_per_step``
+            (``inputs``, ``outputs``, ``output_grads`` and ``param_grads`` moved through shared memory in the latest
+            step), ``backward_rounds_saved`` (backwards of a :class:`dpool.criterion`'s loss that the workers had
+            already run in the loss round), ``forward_rounds_saved`` (``gather=False`` forwards that went to the
+            workers with their loss, in one round: see "Loss on the workers" in docs/features.md), ``rounds_spun``
+            (rounds so far whose replies the coordinator caught while it spun instead of sleeping: short rounds, see
+            ``DPOOL_WAIT_SPIN_US`` in docs/knobs.md).
         """
         rt = self._live()
         held = rt.inspect() if inspect else None
@@ -363,13 +330,9 @@ class DataParallel(nn.DataParallel):
                 self._saved_threads = None
 
     def _start(self) -> Runtime | None:
-        """Start the workers, if this model has none, with its arguments. A live pool of the module started with
-        the same arguments is joined (as :func:`wrap` joins one, and as a library that wraps a module again for
-        every evaluation needs); one started with others is closed first, with a warning (a module is never bound
-        to two pools). Models start at their first use (so that ``DataParallel(net).cuda()`` works, as with
-        torch's), :func:`wrap` starts them at once, and the trainer integrations start theirs again after a
-        close (``_reopens``: what they hand out as ``model_wrapped`` stays usable, and runs workers only while
-        ``train()``, ``evaluate()`` or ``predict()`` runs)."""
+        """Start the workers, if this model has none: join a live pool of the module started with the same
+        arguments, or close one started with others (a module is never bound to two pools) and start a new one.
+        The trainer integrations start theirs again after a close (``_reopens``)."""
         with self._close_lock:
             if self._runtime is not None or self._start_with is None or self._closing is not None:
                 return self._runtime
@@ -379,7 +342,13 @@ class DataParallel(nn.DataParallel):
                 self._runtime, self._sharing, self._close_lock = old._runtime, old._sharing, old._close_lock
                 self._sharing.add(self)
                 return self._runtime
-            self._unbind_old(stacklevel=4 if self._starting_in_wrap() else 6)
+            if old is not None:
+                warnings.warn(
+                    f"this module is already bound to a live dpool pool (workers {old.pids}, device_ids "
+                    f"{old.device_ids}); closing that pool before wrapping it again with other arguments. To keep "
+                    "it, reuse the model dpool.wrap() returned, or call dpool.wrap() with the same arguments.",
+                    UserWarning, stacklevel=3)
+                old._close_pool()
             self._runtime = self._start_with()
             self._sharing = weakref.WeakSet([self])
             _BOUND[self.module] = weakref.ref(self)
@@ -388,12 +357,8 @@ class DataParallel(nn.DataParallel):
                 torch.set_num_threads(self._coordinator_threads)
             return self._runtime
 
-    @staticmethod
-    def _starting_in_wrap() -> bool:
-        return _in_wrap(3)
-
     def _live(self) -> Runtime:
-        """The runtime, started first if this model starts on use; ``PoolBrokenError`` if it was closed."""
+        """The runtime; started first if not yet (``_lazy``) or if closed and reopened by use (``_reopens``)."""
         rt = self._runtime
         if rt is None and (self._lazy or self._reopens):
             rt = self._start()
@@ -503,6 +468,17 @@ def _not_traced() -> Any:
     return _NOT_TRACED
 
 
+def _join_nodes(nodes: CrossNode, module: nn.Module, workers: int, start: Any) -> Runtime:
+    """Cross-node: compare the module with every rank's, then start this node's workers."""
+    try:
+        nodes.join(module, workers)
+    except BaseException as exc:
+        nodes.fail(exc)
+        nodes.close()
+        raise
+    return start(nodes=nodes)
+
+
 def _master_copy(module: nn.Module) -> nn.Module:
     """What a copied or unpickled dpool model becomes: its (already copied) master module."""
     return module
@@ -553,10 +529,6 @@ def _bound_model(module: nn.Module) -> DataParallel | None:
     if rt is None or rt.pool.broken is not None or os.getpid() != rt.pool.owner_pid:
         return None
     return model
-
-
-def _in_wrap(depth: int = 2) -> bool:
-    return sys._getframe(depth).f_code is wrap.__code__
 
 
 def _wrap_args(device_ids: Any, output_device: Any, dim: int, kwargs: dict) -> tuple:
