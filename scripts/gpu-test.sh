@@ -12,11 +12,9 @@
 # package and each of their own missing dependencies: its wheels are installed as they are, without
 # resolving. Without that folder, pip uses the configured index.
 #
-# --groups is for machines with many cores: the suite's leak checks look at this process's children,
-# fds and socket files, and at every dpool segment of the shared-memory directory, so each group
-# gets its own DPOOL_SHM_DIR and XDG_RUNTIME_DIR. Keep the GPU tests (tests/test_cuda.py) and the
-# examples (they use the GPU too) in one group: the preflight test takes nearly all of the GPU's
-# memory. Logs go to $DPOOL_TEST_LOGS (default: a new temporary folder), one per group.
+# --groups runs scripts/pytest-groups.sh (each group its own pytest process, shared-memory folder and runtime
+# folder; "rest" is every file no group names). Keep the GPU tests (tests/test_cuda.py) and the examples
+# (they use the GPU too) in one group: the preflight test takes nearly all of the GPU's memory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -55,35 +53,9 @@ if [ "$1" != "--groups" ]; then
   exec "$PY" -m pytest -p no:cacheprovider "$@"
 fi
 shift
-if [ $# -eq 0 ]; then  # the whole suite in six groups of about equal time (~8 minutes on a 16-core H100 machine)
+if [ $# -eq 0 ]; then  # the whole suite in six groups of about equal time
   set -- "tests/test_cuda.py tests/test_examples_bench.py" tests/test_faults.py \
     "tests/test_daemon.py tests/test_bad_input.py tests/test_stages.py tests/test_errors_lifecycle.py" \
-    "tests/test_multinode.py tests/test_semantics.py tests/test_parity.py" tests/test_lifecycle.py
-  rest=""  # every other test file (test_features.py, test_no_silent_errors.py, and any new one)
-  for f in tests/test_*.py; do
-    case " $* " in *" $f "*) ;; *) rest="$rest $f" ;; esac
-  done
-  set -- "$@" "${rest# }"
+    "tests/test_multinode.py tests/test_semantics.py tests/test_parity.py" tests/test_lifecycle.py rest
 fi
-logs=${DPOOL_TEST_LOGS:-$(mktemp -d)}
-mkdir -p "$logs"
-pids=()
-runs=()
-for k in $(seq 1 $#); do
-  group=${!k}
-  shm=/dev/shm/dpool-tests-$$-$k run=$(mktemp -d)   # mktemp -d: mode 0700, as dpool wants its runtime dir
-  runs+=("$run")
-  mkdir -p "$shm"
-  # shellcheck disable=SC2086  # a group is a space-separated list of test paths
-  DPOOL_SHM_DIR=$shm XDG_RUNTIME_DIR=$run "$PY" -m pytest -p no:cacheprovider $group >"$logs/group$k.log" 2>&1 &
-  pids+=($!)
-done
-status=0
-for k in $(seq 1 $#); do
-  if wait "${pids[$((k - 1))]}"; then rc=0; else rc=$?; status=1; fi
-  echo "group $k (${!k}): exit $rc: $(tail -n 1 "$logs/group$k.log")"
-  rmdir "/dev/shm/dpool-tests-$$-$k" 2>/dev/null || echo "  group $k left files in /dev/shm/dpool-tests-$$-$k"
-done
-rm -rf "${runs[@]}"
-echo "logs: $logs"
-exit $status
+PYTHON=$PY exec bash scripts/pytest-groups.sh "$@"

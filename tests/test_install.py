@@ -173,6 +173,27 @@ def test_an_unchanged_hf_trainer_script_equals_dpool_trainer(tmp_path):
     assert wait_for(lambda: not any(running(p) for p in workers), timeout=10)
 
 
+def test_trainers_made_while_installed_are_dpool_trainers_also_when_transformers_came_first(tmp_path):
+    """transformers imported before install() (patched at once, not by the import hook), a subclass defined before
+    it: every Trainer made while installed is a DpoolTrainer of its class; after uninstall() none is."""
+    transformers = pytest.importorskip("transformers")
+    from dpool.integrations.transformers import DpoolTrainerMixin
+
+    class Mine(transformers.Trainer):
+        pass
+
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, num_labels=3,
+        max_position_embeddings=16))
+    args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, per_device_train_batch_size=3, report_to=[])
+    with dpool.installed(device_ids=["cpu", "cpu"]):
+        made = Mine(model=model, args=args)
+        assert isinstance(made, Mine) and isinstance(made, DpoolTrainerMixin) and type(made).__name__ == "Mine"
+        assert made.args.train_batch_size == 6 and args.train_batch_size == 3  # (the script's args untouched)
+        assert made._dpool.device_ids == ["cpu", "cpu"]
+    assert not isinstance(Mine(model=model, args=args), DpoolTrainerMixin)
+
+
 # ---------------------------------------------------------------------------------- Lightning's "dp"
 def test_lightning_strategy_dp_under_install_is_dpool_strategy():
     L = pytest.importorskip("lightning")
@@ -356,8 +377,11 @@ def test_ctrl_c_ends_a_script_under_python_m_dpool_as_without_it(tmp_path):
     """))
     codes = {}
     for how in (["-m", "dpool", "--device-ids", "cpu,cpu"], []):
+        # (SIGINT at its default first: a background job of a non-interactive shell, as CI may start the tests,
+        # inherits it ignored, and Python then installs no KeyboardInterrupt handler, with or without dpool)
         proc = subprocess.Popen([sys.executable, *how, "slow.py"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=_env(), cwd=str(tmp_path))
+                                text=True, env=_env(), cwd=str(tmp_path),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         ready = proc.stdout.readline()
         assert ready.startswith("READY"), proc.communicate(timeout=30)
         time.sleep(0.5)
