@@ -397,8 +397,15 @@ FAILURES = (dpool.WorkerDiedError, dpool.WorkerTimeoutError, dpool.WorkerStartEr
 
 
 def chaos():
+    # a fault at a random moment, once the client made progress since the last one (or 5 s after it): the
+    # daemon must replace what a fault hit before a client can attach, which on a loaded machine takes
+    # longer than the gap between faults, and then no step would ever run
     rng = random.Random(SEED)
+    last, done = time.monotonic(), 0
     while not stop.wait(rng.uniform(0.2, 1.5)):
+        if len(ok) == done and time.monotonic() - last < 5:
+            continue
+        last, done = time.monotonic(), len(ok)
         try:
             victim = rng.choice(daemon.children())
             sig = rng.choice([signal.SIGKILL, signal.SIGSTOP])
@@ -461,7 +468,7 @@ else:
 
 @pytest.mark.timeout(300)
 def test_faults_at_any_moment_keep_the_pool_usable_and_nothing_is_lost():
-    """Random SIGKILL and SIGSTOP of random workers for 30 s, side by side: in two coordinators with
+    """Random SIGKILL and SIGSTOP of random workers for 30-40 s, side by side: in two coordinators with
     ``max_restarts`` (the workers being restarted included), and on a dpool-workers pool's workers while a
     client trains (a worker frozen while no client holds it included). Every failed call raises a typed error
     within a bound, the next one runs (after a new ``wrap()`` on the daemon pool, once the daemon replaced the
@@ -473,14 +480,14 @@ def test_faults_at_any_moment_keep_the_pool_usable_and_nothing_is_lost():
     name, _ = next(started)
     try:
         scripts = [CHAOS.format(seconds=30, seed=s) for s in (1, 2)]
-        scripts.append(DAEMON_CHAOS.format(name=name, seconds=30, seed=3, daemon_pid=status(name)["pid"]))
+        scripts.append(DAEMON_CHAOS.format(name=name, seconds=40, seed=3, daemon_pid=status(name)["pid"]))
         embedded_1, embedded_2, attached = (script_result(r) for r in run_scripts(scripts, timeout=240))
         for r in (embedded_1, embedded_2):
             assert r["faults"] >= 20 and r["restarts"] >= 10 and r["ok"] >= 5, r  # (the steps between faults)
             assert r["diff"] < 1e-12, r
             # a failed call's bound: RESTART_TRIES restarts, each within the startup timeout, after the heartbeat's
             assert r["worst_s"] < 3 * 15 + 2 * 1.5 + 10, r
-        assert attached["faults"] >= 10 and attached["ok"] >= 5 and attached["failed"] >= 1, attached
+        assert attached["faults"] >= 6 and attached["ok"] >= 5 and attached["failed"] >= 1, attached
         assert attached["diff"] < 1e-12, attached
         assert attached["worst_s"] < 3 * 15 + 10, attached
         info = status(name)
