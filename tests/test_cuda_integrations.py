@@ -95,3 +95,57 @@ def test_dpool_trainer_on_cuda_workers_equals_the_trainer_on_one_gpu(results, pr
 def test_dpool_strategy_on_cuda_workers_equals_one_gpu(results):
     r = results[1]
     assert r["device"] == "cuda:0" and r["params"] < 1e-4, r
+
+
+_DP_CUDA = r"""
+import json, os, torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def forward(self, x):
+        return self.body(x), torch.full((x.shape[0],), os.getpid(), device=x.device)
+
+def train(parallel):
+    torch.manual_seed(0)
+    net = Net()
+    model = nn.DataParallel(net).cuda() if parallel else net.cuda()  # wrapped first, moved after
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pids = set()
+    for _ in range(3):
+        y, who = model(torch.randn(8, 6).cuda())
+        opt.zero_grad()
+        y.pow(2).mean().backward()
+        opt.step()
+        pids |= set(who.tolist())
+    return net, sorted(pids)
+
+net, pids = train(True)
+ref, _ = train(False)
+print("RESULT " + json.dumps({"me": os.getpid(), "pids": pids, "device": str(next(net.parameters()).device),
+                              "params": max((p - q).abs().max().item() for p, q in zip(net.parameters(), ref.parameters()))}))
+"""
+
+
+def test_an_unchanged_dataparallel_cuda_script_under_python_m_dpool(tmp_path):
+    """`nn.DataParallel(net).cuda()` (wrapped before the move) under `python -m dpool --device-ids 0,0`: two worker
+    processes on GPU 0 run the forwards, and the parameters equal one process on the GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import PYPATH
+
+    script = tmp_path / "train.py"
+    script.write_text(_DP_CUDA)
+    res = subprocess.run([sys.executable, "-m", "dpool", "--device-ids", "0,0", str(script)], capture_output=True,
+                         text=True, timeout=240, env=dict(os.environ, PYTHONPATH=PYPATH))
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, res.stderr[-4000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["device"] == "cuda:0" and len(r["pids"]) == 2 and r["me"] not in r["pids"], r
+    assert r["params"] < 1e-5, r

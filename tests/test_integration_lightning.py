@@ -73,7 +73,15 @@ def fit(root, **kw):
     trainer.fit(module, loader(), loader())
     return module, trainer
 
-with tempfile.TemporaryDirectory() as root:
+class Direct(Module):  # calls its child from training_step: that runs here, unparallelised
+    def training_step(self, batch, i):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+def directly(caught):
+    return [str(w.message) for w in caught if "directly" in str(w.message)]
+
+with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
     ref, ref_trainer = fit(root + "/ref", accelerator="cpu", devices=1)
     res = {}
     for name, kw in (("instance", dict(strategy=DpoolStrategy(device_ids=["cpu", "cpu"]), accelerator="cpu")),
@@ -97,6 +105,12 @@ with tempfile.TemporaryDirectory() as root:
                       precision="bf16-mixed")
     res["bf16"] = {"vs_one_device": biggest_difference(module16, ref16), "vs_fp32": biggest_difference(module16, ref)}
     res["steps_in_main"] = set(steps_pids) == {MAIN}
+    res["direct_warnings_of_self_calls"] = directly(caught)
+    caught.clear()
+    L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, strategy=DpoolStrategy(device_ids=["cpu", "cpu"]),
+              accelerator="cpu").fit(Direct(), loader())
+    res["direct_warnings"] = directly(caught)
     res["clean"] = clean()
 print("RESULT " + json.dumps(res))
 """
@@ -153,6 +167,10 @@ def test_lightning_trainer_with_dpool_strategy_trains_like_one_device(results):
         assert r["held"] == 4, r  # 2 epochs of 4 batches, accumulated in pairs
     assert res["bf16"]["vs_one_device"] < 2e-2 < res["bf16"]["vs_fp32"] * 1e3, res["bf16"]
     assert res["steps_in_main"] and res["clean"]
+    # a child called from training_step, not through self(...): named once, at run time
+    assert res["direct_warnings_of_self_calls"] == [], res
+    assert len(res["direct_warnings"]) == 1 and "Direct.training_step calls self.net directly" in \
+        res["direct_warnings"][0], res
 
 
 def test_fabric_with_dpool_strategy_trains_like_one_device(results):

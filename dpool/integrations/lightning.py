@@ -11,6 +11,7 @@ Requires ``pip install dpool[lightning]``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -62,6 +63,27 @@ def _device_ids(given: Sequence[DeviceLike] | None, parallel_devices: Sequence[t
     return [str(d) if d.type == "cpu" else d for d in parallel_devices or [torch.device("cpu")]]
 
 
+@contextlib.contextmanager
+def _direct_calls(module: nn.Module) -> Iterator[list[str]]:
+    """The names of ``module``'s children with trainable parameters that are called, in this process, within the
+    block (a global forward pre-hook, removed after it). Under DpoolStrategy the module's own forward runs on the
+    workers, so such a call comes from ``training_step`` itself. Children without parameters (metrics, losses)
+    are left out: running them here is what they are for."""
+    children = {id(c): n for n, c in module.named_children() if any(p.requires_grad for p in c.parameters())}
+    called: list[str] = []
+
+    def seen(child: nn.Module, inputs: Any) -> None:
+        name = children.get(id(child))
+        if name is not None and name not in called:
+            called.append(name)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
+    try:
+        yield called
+    finally:
+        handle.remove()
+
+
 def _refuse_many_processes(world_size: int, num_nodes: int) -> None:
     if world_size > 1 or num_nodes > 1:
         raise UnsupportedError(
@@ -104,6 +126,7 @@ class DpoolStrategy(ParallelStrategy):
         self._dpool_options = dpool_options
         self._dpool: DataParallel | None = None
         self._num_nodes = 1
+        self._direct_calls_checked = False
 
     # Lightning's Trainer sets its own accelerator here; Fabric's connector sets one of its own. That is
     # where this object learns which API it serves, and becomes Fabric's kind of strategy for Fabric.
@@ -153,6 +176,20 @@ class DpoolStrategy(ParallelStrategy):
         assert module is not None
         self._dpool = wrap(module, _device_ids(self._dpool_device_ids, self.parallel_devices), **self._dpool_options)
         module._compiled_call_impl = _ToPool(self._dpool)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._direct_calls_checked or self.lightning_module is None:
+            return super().training_step(*args, **kwargs)
+        self._direct_calls_checked = True  # (the first step's calls tell)
+        with _direct_calls(self.lightning_module) as called:
+            out = super().training_step(*args, **kwargs)
+        if called:
+            module = type(self.lightning_module).__name__
+            warnings.warn(
+                f"{module}.training_step calls {', '.join(f'self.{n}' for n in called)} directly: that runs in this "
+                "process, on the master module, not on dpool's workers (they run what self(...) computes: the "
+                "module's forward). Call it from forward() and use self(...) in training_step.", UserWarning)
+        return out
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
