@@ -222,10 +222,10 @@ def _patch_transformers(trainer_module: ModuleType) -> Callable[[], None]:
     trainer.__new__ = __new__
 
     def undo() -> None:
+        # (a __new__ of its own is put back; else ours stays, inert while uninstalled: deleting a __new__ set on a
+        # class leaves CPython passing the constructor's arguments to object.__new__, which refuses them)
         if had:
             trainer.__new__ = before
-        else:
-            del trainer.__new__
 
     return undo
 

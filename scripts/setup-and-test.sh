@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up dpool from nothing, lint and type-check it, build the docs site strictly, and run its tests: the
 # README's test command, and what CI runs.
-#   bash scripts/setup-and-test.sh            # all tests, in two groups of files run at once
+#   bash scripts/setup-and-test.sh            # all tests, in three groups of files run at once
 #   bash scripts/setup-and-test.sh -k parity  # extra arguments go to one pytest over the whole suite
 set -euo pipefail
 # shellcheck source=setup.sh
@@ -14,9 +14,12 @@ python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 if [ $# -gt 0 ]; then
   exec python -m pytest "$@"
 fi
-# Two groups at once: much of the suite waits (worker start-up, heartbeats, a peer's timeout) rather than
-# computes, and two groups fill those waits on two cores. The first group's files (the second is every other
-# file) take about half of the suite's time.
-PYTHON=python bash scripts/pytest-groups.sh "tests/test_multinode.py tests/test_faults.py tests/test_hardening.py \
-tests/test_daemon.py tests/test_lifecycle.py tests/test_integration_transformers.py \
-tests/test_integration_lightning.py tests/test_install.py" rest
+# Three groups of files at once: much of the suite waits (worker start-up, heartbeats, a peer's timeout) rather
+# than computes, and three groups fill those waits on two cores. The first two take about a third of the
+# suite's time each; the third is every other file.
+PYTHON=python bash scripts/pytest-groups.sh \
+  "tests/test_multinode.py tests/test_faults.py tests/test_hardening.py tests/test_daemon.py tests/test_doctor.py" \
+  "tests/test_lifecycle.py tests/test_integration_transformers.py tests/test_integration_lightning.py \
+tests/test_integration_accelerate.py tests/test_integration_sentence_transformers.py tests/test_integration_trl.py \
+tests/test_install.py tests/test_examples_bench.py" \
+  rest

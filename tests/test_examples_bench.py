@@ -37,18 +37,30 @@ def test_train_cnn_example_learns():
     assert any(l.startswith("throughput:") and "samples/s (dpool)" in l for l in lines)
 
 
+@pytest.mark.timeout(420)
 def test_benchmark_smoke(tmp_path):
-    # one workload: every setup's code path runs on it (each further workload only repeats them)
-    res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe", "--out", str(tmp_path)], timeout=400)
-    assert res.returncode == 0, res.stderr
-    data = json.loads((tmp_path / "smoke.json").read_text())
-    for w in ("probe",):
-        setups = data["workloads"][w]["setups"]
-        assert set(setups) == {"single", "dp", "ddp", "dpool", "dpool-loss", "ideal", "ceiling", "minimal",
-                               "minimal-loss"}
-        assert all(v["samples_per_s"] > 0 for v in setups.values())
+    """Every setup's code path on one workload (each further workload only repeats them), in one run: the default
+    setups, and the cross-node ones: `nodes` (dpool's cross-node mode, 2 coordinators on loopback gloo) with its
+    exposed cross-node time next to DDP's at the same process count and, beside `nodes-serial` (no overlap), how
+    much of the exchange the overlap hid; `nodes-loss` (the loss on the workers) beside its floor
+    `minimal-nodes-loss` (``MinimalNode``, whose numbers tests/test_multinode.py checks), the ratios to it and to
+    DDP."""
+    default = ["single", "dp", "ddp", "dpool", "dpool-loss", "ideal", "ceiling", "minimal", "minimal-loss"]
+    nodes = ["nodes", "nodes-serial", "nodes-loss", "minimal-nodes-loss"]
+    res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe", "--setups", ",".join(default + nodes),
+                "--out", str(tmp_path)], timeout=400)
+    assert res.returncode == 0, res.stdout + res.stderr
+    entry = json.loads((tmp_path / "smoke.json").read_text())["workloads"]["probe"]
+    assert set(entry["setups"]) == set(default + nodes)
+    assert all(v["samples_per_s"] > 0 for v in entry["setups"].values())
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert "| probe |" in res.stdout and "dpool-loss: ddp" in res.stdout
+    assert {"nodes-loss/ddp", "minimal-nodes-loss/ddp", "nodes-loss/minimal-nodes-loss"} <= set(entry["ratios"])
+    assert entry["nodes_exposed_collective_ms_per_step"] >= 0 and entry["nodes_serial_exposed_collective_ms_per_step"] >= 0
+    assert entry["nodes_hidden_collective_ms_per_step"] == pytest.approx(
+        entry["nodes_serial_exposed_collective_ms_per_step"] - entry["nodes_exposed_collective_ms_per_step"])
+    assert "nodes/ddp" in res.stdout and "hidden behind the backward" in res.stdout
+    assert "nodes-loss/minimal-nodes-loss" in res.stdout
 
 
 def test_benchmark_runs_without_matplotlib_and_says_so(tmp_path):
@@ -127,25 +139,6 @@ def test_train_cnn_baseline_gets_the_same_allocator_setting():
                 "--batch-size", "64", "--device", "cpu"])  # a CPU allocator setting: CPU also on a GPU machine
     assert res.returncode == 0, res.stderr
     assert "memory allocator: dpool's worker heap setting" in res.stdout
-
-
-def test_benchmark_cross_node_setup_smoke(tmp_path):
-    """The `nodes` setup (dpool's cross-node mode, 2 coordinators on loopback gloo) runs and reports its
-    exposed cross-node time next to DDP's at the same process count, and, beside `nodes-serial` (no
-    overlap), how much of the exchange the overlap hid; `nodes-loss` (the loss on the workers) beside its
-    floor `minimal-nodes-loss` (``MinimalNode``, whose numbers tests/test_multinode.py checks), the ratios
-    to it and to DDP."""
-    res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe", "--setups",
-                "nodes,nodes-serial,nodes-loss,minimal-nodes-loss,ddp", "--out", str(tmp_path)], timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    entry = json.loads((tmp_path / "smoke.json").read_text())["workloads"]["probe"]
-    assert set(entry["setups"]) == {"nodes", "nodes-serial", "nodes-loss", "minimal-nodes-loss", "ddp"}
-    assert {"nodes-loss/ddp", "minimal-nodes-loss/ddp", "nodes-loss/minimal-nodes-loss"} <= set(entry["ratios"])
-    assert entry["nodes_exposed_collective_ms_per_step"] >= 0 and entry["nodes_serial_exposed_collective_ms_per_step"] >= 0
-    assert entry["nodes_hidden_collective_ms_per_step"] == pytest.approx(
-        entry["nodes_serial_exposed_collective_ms_per_step"] - entry["nodes_exposed_collective_ms_per_step"])
-    assert "nodes/ddp" in res.stdout and "hidden behind the backward" in res.stdout
-    assert "nodes-loss/minimal-nodes-loss" in res.stdout
 
 
 def test_resnet18_workload_is_torchvisions_layout():

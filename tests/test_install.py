@@ -1,6 +1,6 @@
 """Zero lines changed: ``dpool.install()`` and ``python -m dpool script.py`` run scripts written for torch's
-``nn.DataParallel``, HF's ``Trainer`` and Lightning's ``strategy="dp"`` on dpool workers, against the same
-training written for dpool."""
+``nn.DataParallel`` and HF's ``Trainer`` on dpool workers, against the same training written for dpool.
+(Lightning's ``strategy="dp"`` under ``dpool.installed()``: tests/test_integration_lightning.py.)"""
 from __future__ import annotations
 
 import json
@@ -147,7 +147,7 @@ print("RESULT " + json.dumps({{
 """
 
 
-def test_an_unchanged_hf_trainer_script_equals_dpool_trainer(tmp_path):
+def test_an_unchanged_hf_trainer_script_equals_dpool_trainer(tmp_path, capsys, monkeypatch):
     """A plain `Trainer(...)` script under `python -m dpool --device-ids cpu,cpu` trains as DpoolTrainer with those
     devices: the same logged losses, evaluation, batch (per device x workers) and saved parameters (bare keys)."""
     pytest.importorskip("transformers")
@@ -159,8 +159,10 @@ def test_an_unchanged_hf_trainer_script_equals_dpool_trainer(tmp_path):
     got = _result(res)
     reference = _HF_SCRIPT.format(imports="from dpool.integrations.transformers import DpoolTrainer",
                                   trainer="DpoolTrainer", extra=", device_ids=['cpu', 'cpu']")
-    ref = _result(subprocess.run([sys.executable, "-c", reference, str(tmp_path / "ref")], capture_output=True,
-                                 text=True, timeout=200, env=_env()))
+    monkeypatch.setattr(sys, "argv", ["reference", str(tmp_path / "ref")])
+    capsys.readouterr()
+    exec(compile(reference, "reference", "exec"), {"__name__": "reference"})  # (here: transformers is loaded)
+    ref = json.loads(capsys.readouterr().out.split("RESULT ")[-1])
     assert got["dpool"] == ["Trainer", "DpoolTrainerMixin"]  # (a Trainer of the script's class, dpool's mixin first)
     assert got["batch"] == ref["batch"] == 8 and got["steps"] == 3
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5) and len(got["losses"]) == 3
@@ -192,73 +194,6 @@ def test_trainers_made_while_installed_are_dpool_trainers_also_when_transformers
         assert made.args.train_batch_size == 6 and args.train_batch_size == 3  # (the script's args untouched)
         assert made._dpool.device_ids == ["cpu", "cpu"]
     assert not isinstance(Mine(model=model, args=args), DpoolTrainerMixin)
-
-
-# ---------------------------------------------------------------------------------- Lightning's "dp"
-_LIGHTNING_DP = """
-import json, torch
-import lightning as L
-import dpool
-from dpool.integrations.lightning import DpoolStrategy
-
-class Module(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, i):
-        x, y = batch
-        return ((self(x) - y) ** 2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(0)),
-                                      torch.randn(32, 1, generator=torch.Generator().manual_seed(1)))
-trained, kinds = {}, {}
-for name in ("dp", "dpool"):
-    torch.manual_seed(0)
-    module = Module()
-    with dpool.installed(device_ids=["cpu", "cpu"]):
-        strategy = "dp" if name == "dp" else DpoolStrategy(device_ids=["cpu", "cpu"])
-        trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=4, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-        kinds[name] = type(trainer.strategy).__name__
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
-    trained[name] = module
-torch.manual_seed(0)
-untrained = Module()
-with dpool.installed(device_ids=["cpu", "cpu"]):
-    fabric = L.Fabric(strategy="dp", accelerator="cpu")
-    kinds["fabric"] = isinstance(fabric.strategy, DpoolStrategy)
-    module = Module()
-    model, opt = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
-    fabric.backward(model(torch.randn(8, 4)).sum())
-    kinds["fabric_model"] = dpool.is_wrapped(model.module)
-    fabric.strategy.teardown()
-try:
-    L.Trainer(strategy="dp", accelerator="cpu")
-    kinds["uninstalled"] = "accepted"
-except ValueError as exc:  # uninstalled: Lightning 2's own answer to "dp" again
-    kinds["uninstalled"] = type(exc).__name__
-print("RESULT " + json.dumps({
-    "kinds": kinds,
-    "diff": max((p - q).abs().max().item() for p, q in zip(trained["dp"].parameters(), trained["dpool"].parameters())),
-    "moved": (trained["dp"].net[0].weight - untrained.net[0].weight).abs().max().item()}))
-"""
-
-
-def test_lightning_strategy_dp_under_install_is_dpool_strategy():
-    """Trainer(strategy="dp") and Fabric(strategy="dp") under dpool.install() get a DpoolStrategy, and the Trainer's
-    training equals DpoolStrategy's. (In a fresh process: importing Lightning replaces torch.compile.)"""
-    pytest.importorskip("lightning")
-    got = _result(run_script(_LIGHTNING_DP, timeout=200))
-    assert got["kinds"] == {"dp": "DpoolStrategy", "dpool": "DpoolStrategy", "fabric": True, "fabric_model": True,
-                            "uninstalled": "ValueError"}, got
-    assert got["diff"] < 1e-6 and got["moved"] > 1e-3, got
 
 
 # --------------------------------------------------------------------- install(), uninstall(), installed()

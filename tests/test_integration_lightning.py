@@ -13,7 +13,7 @@ from tests.helpers import run_scripts, script_result  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 _COMMON = r"""
-import json, os, tempfile, warnings
+import contextlib, json, os, tempfile, warnings
 import psutil, torch
 import lightning as L
 from torch import nn
@@ -85,9 +85,11 @@ with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True)
     ref, ref_trainer = fit(root + "/ref", accelerator="cpu", devices=1)
     res = {}
     for name, kw in (("instance", dict(strategy=DpoolStrategy(device_ids=["cpu", "cpu"]), accelerator="cpu")),
-                     ("by_name", dict(strategy="dpool", accelerator="cpu", devices=2))):
+                     ("by_name", dict(strategy="dpool", accelerator="cpu", devices=2)),
+                     ("dp_installed", dict(strategy="dp", accelerator="cpu"))):  # Lightning 1.x's "dp", unchanged
         held.clear()
-        module, trainer = fit(root + "/" + name, **kw)
+        with dpool.installed(device_ids=["cpu", "cpu"]) if name == "dp_installed" else contextlib.nullcontext():
+            module, trainer = fit(root + "/" + name, **kw)
         best = trainer.checkpoint_callback.best_model_path
         loaded = Module.load_from_checkpoint(best)  # the plain class, the bare keys
         res[name] = {
@@ -98,7 +100,13 @@ with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True)
             "forwards_on_workers": Count.forwards,
             "closed": trainer.strategy._dpool is None and module.__dict__.get("_compiled_call_impl") is None,
             "held": len(held),
+            "strategy": type(trainer.strategy).__name__,
         }
+    try:  # uninstalled, "dp" is Lightning 2's error again
+        L.Trainer(strategy="dp", accelerator="cpu")
+        res["dp_uninstalled"] = "accepted"
+    except ValueError as exc:
+        res["dp_uninstalled"] = type(exc).__name__
     # bf16-mixed autocasts training_step; the workers follow it
     ref16, _ = fit(root + "/ref16", accelerator="cpu", devices=1, precision="bf16-mixed")
     module16, _ = fit(root + "/bf16", strategy=DpoolStrategy(device_ids=["cpu", "cpu"]), accelerator="cpu",
@@ -135,9 +143,11 @@ def run(strategy, devices):
 
 ref, _, _ = run("auto", 1)
 res = {}
-for name, strategy, devices in (("instance", DpoolStrategy(device_ids=["cpu", "cpu"]), 1), ("by_name", "dpool", 2)):
+for name, strategy, devices in (("instance", DpoolStrategy(device_ids=["cpu", "cpu"]), 1), ("by_name", "dpool", 2),
+                                ("dp_installed", "dp", 1)):
     held.clear()
-    net, fabric, model = run(strategy, devices)
+    with dpool.installed(device_ids=["cpu", "cpu"]) if name == "dp_installed" else contextlib.nullcontext():
+        net, fabric, model = run(strategy, devices)
     with tempfile.TemporaryDirectory() as d:
         fabric.save(d + "/ckpt", {"model": model})
         state = torch.load(d + "/ckpt", weights_only=False)["model"]
@@ -159,14 +169,14 @@ def results():
 
 def test_lightning_trainer_with_dpool_strategy_trains_like_one_device(results):
     res = results[0]
-    for name in ("instance", "by_name"):
+    for name in ("instance", "by_name", "dp_installed"):
         r = res[name]
-        assert r["params"] < 1e-5 and r["val_loss"] < 1e-5, r
+        assert r["params"] < 1e-5 and r["val_loss"] < 1e-5 and r["strategy"] == "DpoolStrategy", r
         assert r["loaded"] == 0 and all(not k.startswith("module.") for k in r["keys"]) and "net.0.weight" in r["keys"]
         assert r["forwards_on_workers"] > 0 and r["closed"], r
         assert r["held"] == 4, r  # 2 epochs of 4 batches, accumulated in pairs
     assert res["bf16"]["vs_one_device"] < 2e-2 < res["bf16"]["vs_fp32"] * 1e3, res["bf16"]
-    assert res["steps_in_main"] and res["clean"]
+    assert res["steps_in_main"] and res["clean"] and res["dp_uninstalled"] == "ValueError", res
     # a child called from training_step, not through self(...): named once, at run time
     assert res["direct_warnings_of_self_calls"] == [], res
     assert len(res["direct_warnings"]) == 1 and "Direct.training_step calls self.net directly" in \
@@ -175,7 +185,7 @@ def test_lightning_trainer_with_dpool_strategy_trains_like_one_device(results):
 
 def test_fabric_with_dpool_strategy_trains_like_one_device(results):
     res = results[1]
-    for name in ("instance", "by_name"):
+    for name in ("instance", "by_name", "dp_installed"):
         r = res[name]
         assert r["params"] < 1e-5 and r["loaded"] == 0, r
         assert r["wrapped"] and r["is_dpool"] and r["workers"] == 2 and r["held"] == 4, r

@@ -29,7 +29,10 @@ from tests.conftest import wait_for
 from tests.helpers import ROOT
 from tests.multinode import batches, make_deep, make_net, rows_of
 
-pytestmark = pytest.mark.slow
+# The first test that asks for a batch of runs (the module fixtures below) runs all of it inside its own pytest
+# timeout: give it a batch's bound, not the 120 s of one test; each run is bounded by its own timeout too. On 2
+# busy cores (the suite in two groups at once) the equivalence batch takes over 120 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _ephemeral_low() -> int:
