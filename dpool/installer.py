@@ -153,11 +153,6 @@ def uninstall() -> None:
         _hooks.disarm()
 
 
-def is_installed() -> bool:
-    """Whether :func:`install` is in effect."""
-    return _options is not None
-
-
 @contextlib.contextmanager
 def installed(device_ids: Sequence[DeviceLike] | None = None, **options: Any) -> Iterator[None]:
     """:func:`install` for the ``with`` block; the installation in effect before it (or none) comes back after.
