@@ -15,12 +15,12 @@ if [ $# -gt 0 ]; then
   exec python -m pytest "$@"
 fi
 # Three groups of files at once: much of the suite waits (worker start-up, heartbeats, a peer's timeout) rather
-# than computes, and three groups fill those waits on two cores. The first two take about a third of the
-# suite's time each; the third is every other file.
+# than computes, and three groups fill those waits on two cores. Each takes about a third of the suite's time
+# (the third group is every file the first two do not name).
 PYTHON=python bash scripts/pytest-groups.sh \
   "tests/test_multinode.py tests/test_faults.py tests/test_hardening.py tests/test_daemon.py tests/test_doctor.py \
 tests/test_examples_bench.py tests/test_bad_input.py" \
   "tests/test_lifecycle.py tests/test_integration_transformers.py tests/test_integration_lightning.py \
 tests/test_integration_accelerate.py tests/test_integration_sentence_transformers.py tests/test_integration_trl.py \
-tests/test_install.py" \
+tests/test_install.py tests/test_errors_lifecycle.py" \
   rest
