@@ -204,7 +204,8 @@ class DataParallel(nn.DataParallel):
         return self._dispatch(inputs, kwargs)
 
     def _dispatch(self, inputs: tuple, kwargs: dict) -> Any:
-        return self._live().forward(inputs, kwargs)
+        rt = self._runtime
+        return (rt if rt is not None else self._live()).forward(inputs, kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
