@@ -169,12 +169,10 @@ class DataParallel(nn.DataParallel):
         self._closing: Runtime | None = None  # a close() cut short (Ctrl-C): the next close() finishes it
         self._close_lock, self._owner_thread = threading.Lock(), threading.get_ident()
         self._sharing: weakref.WeakSet[DataParallel] = weakref.WeakSet([self])  # the open models on this pool
-        # What starts the workers, and what a pool must have been started with for this model to join it
-        self._start_with: Any = functools.partial(
-            Runtime, module, devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
-            str(out_dev))
-        self._key = (devices, str(out_dev), dim, cfg, threads, max_restarts, buffers,
-                     None if shard_weights is None else list(shard_weights), balance, gather, pool)
+        # What a pool must have been started with for this model to join it, and what starts one
+        self._key = (devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
+                     str(out_dev))
+        self._start_with: Any = functools.partial(Runtime, module, *self._key)
         self._lazy, self._reopens, self._coordinator_threads = True, False, coordinator_threads  # (see _live)
         group = resolve_group(process_group)
         self._nodes: CrossNode | None = None
