@@ -45,7 +45,13 @@ Setups, on N = --workers:
            exchange (`--setups nodes-loss,minimal-nodes-loss,ddp`)
   minimal-nodes-loss  the floor under `nodes-loss`: `minimal-nodes` with `minimal-loss`'s nodes
 
-Results go to --out as JSON and a PNG chart; the Markdown table is printed.
+Every setup runs with the same heap setting: dpool's workers keep their heap between steps
+(glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ at 1 GiB, see dpool/launch.py), and glibc reads
+those variables only at process start, so this script exports them and starts itself again before any setup
+runs: the one-process setups, DDP's ranks and dpool's workers all get them. Values already exported win.
+
+Results go to --out as JSON (with the dpool version and commit measured) and a PNG chart; the Markdown table
+is printed.
 """
 from __future__ import annotations
 
@@ -266,7 +272,9 @@ def bench(workloads: list[str], setups: list[str], workers: int, steps: int, war
             "cores_physical": CORES, "cpus_logical": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(),
+            "heap": {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")},
         },
+        **provenance(),
         "workers": workers, "steps": steps, "repeats": repeats, "workloads": {},
     }
     for wname in workloads:
@@ -710,6 +718,40 @@ def per_worker(counts: list[int], steps: int, repeats: int) -> str:
     return "\n".join(lines)
 
 
+def same_heap_for_every_setup() -> None:
+    """Start this script again with dpool's worker heap setting exported, unless it already is (see the
+    module docstring): without it, the one-process and DDP setups would run on glibc's defaults while dpool's
+    workers keep their heap, and the comparison would measure the setting rather than the runtime."""
+    from dpool.launch import WORKER_MALLOC_KEEP
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ and "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(WORKER_MALLOC_KEEP))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(WORKER_MALLOC_KEEP))
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
+
+
+def provenance() -> dict[str, Any]:
+    """What was measured: the dpool version and the commit (``+dirty`` with uncommitted changes)."""
+    import subprocess
+
+    import dpool
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=30).stdout.strip()
+        except OSError:
+            return ""
+
+    commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no", "--", "dpool", "workers", "benchmarks"):
+        commit += "+dirty"
+    return {"dpool": dpool.__version__, "commit": commit}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mlp,cnn,lstm,probe,resnet18")
@@ -727,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the cost per added worker: coordinator CPU per probe step at 1, 2, 4, 8 workers")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args(argv)
+    if argv is None:
+        same_heap_for_every_setup()
     workloads = a.workloads.split(",")
     setups = a.setups.split(",")
     if a.smoke:

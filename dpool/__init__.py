@@ -83,7 +83,7 @@ def _configure_logging() -> None:
 
 _configure_logging()
 
-__version__ = "0.3.0"  # keep equal to pyproject.toml (a test checks)
+__version__ = "0.4.0"  # keep equal to pyproject.toml (a test checks)
 
 __all__ = [
     "wrap",

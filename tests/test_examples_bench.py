@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+
+import dpool
+from dpool.launch import WORKER_MALLOC_KEEP
 
 from tests.helpers import PYPATH, ROOT
 
@@ -50,7 +54,11 @@ def test_benchmark_smoke(tmp_path):
     res = _run(["benchmarks/bench.py", "--smoke", "--workloads", "probe", "--setups", ",".join(default + nodes),
                 "--out", str(tmp_path)], timeout=400)
     assert res.returncode == 0, res.stdout + res.stderr
-    entry = json.loads((tmp_path / "smoke.json").read_text())["workloads"]["probe"]
+    results = json.loads((tmp_path / "smoke.json").read_text())
+    keep = str(WORKER_MALLOC_KEEP)  # every setup ran with dpool's worker heap setting, not the workers alone
+    assert results["machine"]["heap"] == {"MALLOC_MMAP_THRESHOLD_": keep, "MALLOC_TRIM_THRESHOLD_": keep}
+    assert results["dpool"] == dpool.__version__ and re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", results["commit"])
+    entry = results["workloads"]["probe"]
     assert set(entry["setups"]) == set(default + nodes)
     assert all(v["samples_per_s"] > 0 for v in entry["setups"].values())
     assert (tmp_path / "smoke.png").stat().st_size > 0
@@ -64,12 +72,14 @@ def test_benchmark_smoke(tmp_path):
 
 
 def test_benchmark_runs_without_matplotlib_and_says_so(tmp_path):
-    """matplotlib is only in the examples' extra: without it the benchmark writes its numbers, no chart."""
+    """matplotlib is only in the examples' extra: without it the benchmark writes its numbers, no chart. (The heap
+    setting exported here keeps the benchmark from starting itself again, which would drop the patched import.)"""
     code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
             "sys.argv = ['bench.py', '--smoke', '--workloads', 'probe', '--setups', 'single,dpool', '--out', "
             f"{str(tmp_path)!r}]; sys.exit(runpy.run_path('benchmarks/bench.py', run_name='__main__'))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=PYPATH))
+                         env=dict(os.environ, PYTHONPATH=PYPATH, MALLOC_MMAP_THRESHOLD_=str(WORKER_MALLOC_KEEP),
+                                  MALLOC_TRIM_THRESHOLD_=str(WORKER_MALLOC_KEEP)))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "no chart: matplotlib is not installed" in res.stdout and "| probe |" in res.stdout
     assert (tmp_path / "smoke.json").exists() and not (tmp_path / "smoke.png").exists()

@@ -1,0 +1,76 @@
+"""What a release is: the version in one place agreeing with the CHANGELOG, and a wheel that installs and runs."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+import dpool
+from tests.conftest import wait_for
+from tests.helpers import running
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}  # Keep a Changelog's
+
+
+def _changelog() -> str:
+    with open(os.path.join(ROOT, "CHANGELOG.md")) as f:
+        return f.read()
+
+
+def test_the_version_is_the_newest_release_in_the_changelog():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        version = tomllib.load(f)["project"]["version"]
+    releases = re.findall(r"^## (\S+)", _changelog(), re.M)
+    assert releases[0] == "Unreleased", "the CHANGELOG starts with an Unreleased section"
+    assert releases[1] == version == dpool.__version__, (
+        f"pyproject.toml says {version}, dpool.__version__ {dpool.__version__}, the newest CHANGELOG release "
+        f"{releases[1]}: bump them together")
+    assert len(set(releases)) == len(releases), "a release appears twice"
+
+
+def test_the_changelog_uses_keep_a_changelog_sections_only():
+    headings = re.findall(r"^### (.+)$", _changelog(), re.M)
+    assert headings and set(headings) <= SECTIONS, f"not Keep a Changelog sections: {set(headings) - SECTIONS}"
+
+
+@pytest.mark.timeout(300)
+def test_a_wheel_built_from_the_checkout_installs_in_a_clean_venv_and_trains(tmp_path):
+    """A non-editable install: the wheel holds both packages (``dpool`` and the ``workers/`` folder installed as
+    ``dpool_workers``) and its console script, and its workers start from the installed copy. The venv gets its
+    dependencies from the package index as a user's would."""
+    dist, venv = tmp_path / "dist", tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(dist), ROOT], check=True, timeout=240)
+    (wheel,) = dist.glob("dpool-*.whl")
+    assert wheel.name.startswith(f"dpool-{dpool.__version__}-")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    py = str(venv / "bin" / "python")
+    torch_pin = f"torch=={__import__('torch').__version__.split('+')[0]}"  # the build this suite runs on
+    subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--quiet", torch_pin, str(wheel)],
+                   check=True, timeout=240)
+    smoke = (
+        "import copy, json, os, torch, dpool, dpool_workers\n"
+        "assert 'site-packages' in dpool.__file__ and 'site-packages' in dpool_workers.__file__, dpool.__file__\n"
+        "net, x = torch.nn.Linear(4, 2), torch.randn(6, 4)\n"
+        "ref = copy.deepcopy(net)\n"
+        "ref(x).square().sum().backward()\n"
+        "with dpool.wrap(net, ['cpu', 'cpu']) as model:\n"
+        "    model(x).square().sum().backward()\n"
+        "    pids = model.pids\n"
+        "assert torch.allclose(net.weight.grad, ref.weight.grad) and os.getpid() not in pids\n"
+        "print(json.dumps({'version': dpool.__version__, 'pids': pids}))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    res = subprocess.run([py, "-c", smoke], capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert out["version"] == dpool.__version__ and len(set(out["pids"])) == 2
+    assert wait_for(lambda: not any(running(pid) for pid in out["pids"])), f"workers {out['pids']} outlived the script"
+    cli = subprocess.run([str(venv / "bin" / "dpool-workers"), "--version"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert cli.stdout.strip() == f"dpool-workers {dpool.__version__}", cli.stdout + cli.stderr
