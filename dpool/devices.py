@@ -5,6 +5,7 @@ Shared by :func:`dpool.wrap` and the ``dpool-workers`` daemon (which parses and 
 """
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Sequence, TypeAlias
 
@@ -27,17 +28,19 @@ def cpu_workers() -> list[str]:
     return ["cpu"] * max(1, physical_cores() // local_share()[1])
 
 
-def parse_devices(device_ids: Sequence[DeviceLike] | None) -> list[str]:
+def parse_devices(device_ids: Sequence[DeviceLike] | None, module: torch.nn.Module | None = None) -> list[str]:
     """``device_ids`` as one string per worker: ``"cpu"`` or ``"cuda:i"``.
 
-    ``None`` means every visible GPU, or one CPU worker per physical core this process may run on when there
-    is none.
+    ``None`` means where ``module`` is: one CPU worker per physical core this process may run on for a module on
+    the CPU (also on a machine with GPUs: a Trainer or ``Accelerator`` that keeps the model on the CPU gets CPU
+    workers), every visible GPU otherwise, or CPU workers when there is none.
     Under ``torchrun`` with several coordinators per machine (``LOCAL_WORLD_SIZE`` > 1), each
     takes its ``LOCAL_RANK``'s share of the GPUs or cores.
     """
     if device_ids is None:
         rank, size = local_share()
-        if torch.cuda.is_available():
+        first = next(itertools.chain(module.parameters(), module.buffers()), None) if module is not None else None
+        if torch.cuda.is_available() and (first is None or first.device.type != "cpu"):
             gpus = list(range(torch.cuda.device_count()))
             per = len(gpus) // size
             mine = gpus[rank * per:(rank + 1) * per] if per else [gpus[rank % len(gpus)]]

@@ -53,8 +53,9 @@ class DataParallel(nn.DataParallel):
         device_ids (list of int, str or torch.device, optional): one worker per
             entry. ``"cpu"`` entries are CPU worker processes; GPU entries are GPU
             worker processes, and may repeat (``[0, 0]``: two workers on GPU 0).
-            Default: every visible GPU, or one CPU worker per physical core this
-            process may run on (its affinity mask) when there is none.
+            Default: where the module is when the workers start: every visible
+            GPU for a module on a GPU, one CPU worker per physical core this
+            process may run on (its affinity mask) for a module on the CPU.
         output_device (int, str or torch.device, optional): where outputs are
             gathered: ``device_ids[0]`` by default for GPU workers (``-1`` or
             ``"cpu"``: the CPU); the CPU for CPU workers.
@@ -118,6 +119,8 @@ class DataParallel(nn.DataParallel):
     """
 
     _is_dpool_wrapped = True
+    device_ids: list[str]
+    _start_with: Any  # what starts the workers (see _start); None once a cross-node pool started
 
     def __init__(
         self,
@@ -147,40 +150,50 @@ class DataParallel(nn.DataParallel):
             raise DpoolTypeError(f"dpool.wrap expects an nn.Module, got {type(module).__name__}")
         self._wrap_args: tuple | None = None  # set by wrap(), which compares it
         pool = pool if pool is not None else knobs.get("DPOOL_POOL")
+        group = resolve_group(process_group)
         if pool is not None:  # attach to a running dpool-workers daemon: its devices
             devices = pool_devices(pool)
             if device_ids is not None and parse_devices(device_ids) != devices:
                 raise DpoolValueError(f"device_ids {list(device_ids)} differ from pool {pool!r}'s devices {devices}")
         else:
-            devices = parse_devices(device_ids)
-        out_dev = check_devices(devices, output_device)
+            devices = parse_devices(device_ids, module)
         if not isinstance(dim, int) or dim < 0:
             raise DpoolValueError(f"dim must be a non-negative int, got {dim!r}")
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise DpoolValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
         self.module = module
-        self.device_ids: list[str] = devices
-        self.output_device = out_dev
         self.dim = dim
         cfg = (config or Config()).replace(**options) if options else (config or Config())
-        threads = worker_threads or max(1, physical_cores() // (len(devices) * local_share()[1]))
+        # device_ids=None: the workers go where the module is when they start (see _start)
+        self._follow = device_ids is None and pool is None and group is None
+        self._settings = (output_device, dim, cfg, worker_threads, max_restarts, buffers, shard_weights, balance,
+                          gather, pool)
+        self._place(devices)
         self._saved_threads: int | None = None
         self._runtime: Runtime | None = None
         self._closing: Runtime | None = None  # a close() cut short (Ctrl-C): the next close() finishes it
         self._close_lock, self._owner_thread = threading.Lock(), threading.get_ident()
         self._sharing: weakref.WeakSet[DataParallel] = weakref.WeakSet([self])  # the open models on this pool
-        # What a pool must have been started with for this model to join it, and what starts one
-        self._key = (devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
-                     str(out_dev))
-        self._start_with: Any = functools.partial(Runtime, module, *self._key)
         self._lazy, self._reopens, self._coordinator_threads = True, False, coordinator_threads  # (see _live)
-        group = resolve_group(process_group)
         self._nodes: CrossNode | None = None
         if group is not None:  # (every rank joins here, at one point of the script: the pool starts now)
             self._nodes = CrossNode(group, cfg, torch.device(devices[0]), auto=isinstance(process_group, str))
             self._start_with = functools.partial(_join_nodes, self._nodes, module, len(devices), self._start_with)
             self._start()
             self._start_with = None  # (a cross-node pool is the job's: it is never started again)
+
+    def _place(self, devices: list[str]) -> None:
+        """Put the workers on ``devices``: where outputs gather, the workers' threads, and what a pool must have
+        been started with for this model to join it (``_key``) follow from them."""
+        output_device, dim, cfg, worker_threads, max_restarts, buffers, shard_weights, balance, gather, pool = (
+            self._settings)
+        out_dev = check_devices(devices, output_device)
+        threads = worker_threads or max(1, physical_cores() // (len(devices) * local_share()[1]))
+        self.device_ids = devices
+        self.output_device = out_dev
+        self._key = (devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
+                     str(out_dev))
+        self._start_with = functools.partial(Runtime, self.module, *self._key)
 
     def __getattr__(self, name: str) -> Any:
         # what neither this model nor nn.Module has is the master's (model.generate, model.config), run here
@@ -336,6 +349,9 @@ class DataParallel(nn.DataParallel):
             if self._runtime is not None or self._start_with is None or self._closing is not None:
                 return self._runtime
             self._lazy = False
+            devices = parse_devices(None, self.module) if self._follow else self.device_ids
+            if devices != self.device_ids:  # the module moved since (DataParallel(net).cuda())
+                self._place(devices)
             old = _bound_model(self.module)
             if old is not None and old._key == self._key:  # (its lock may be this one: no close)
                 self._runtime, self._sharing, self._close_lock = old._runtime, old._sharing, old._close_lock
@@ -381,7 +397,7 @@ class DataParallel(nn.DataParallel):
         nn.Module.__init__(other)
         other.module = self.module
         for name in ("device_ids", "output_device", "dim", "_wrap_args", "_runtime", "_close_lock", "_owner_thread",
-                     "_nodes", "_sharing", "_start_with", "_key", "_coordinator_threads"):
+                     "_nodes", "_sharing", "_start_with", "_key", "_coordinator_threads", "_follow", "_settings"):
             object.__setattr__(other, name, getattr(self, name))
         other._closing, other._saved_threads, other._reopens, other._lazy = None, None, False, False
         other.training = self.training

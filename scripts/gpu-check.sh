@@ -5,7 +5,9 @@
 #   bash scripts/gpu-check.sh --dry-run [OUT]  # anywhere: the wheels, the test selection and OUT are checked,
 #                                              # nothing runs
 # In this order, each step bounded by its own time limit and run whatever the one before did:
-#   1. the CUDA tests (tests/test_cuda.py, tests/test_cuda_integrations.py) on device_ids=[0, 0];
+#   1. the CUDA tests (tests/test_cuda.py, tests/test_cuda_integrations.py) on device_ids=[0, 0] and
+#      `dpool-workers doctor`'s training step on the GPU, then the docs' GPU-marked Python snippets
+#      (tests/test_doc_snippets.py -k gpu);
 #   2. a selection of them again with DPOOL_TEST_COPY_PATH=1 (the copy path of workers on another GPU);
 #   3. benchmarks/gpu.py, resnet, encoder and probe against one process and nn.DataParallel, four times,
 #      alternating DPOOL_CUDA_ASYNC_REPLIES unset and =1 (unset, set, unset, set);
@@ -22,7 +24,7 @@ if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUTDIR=${1:-${OUT:-gpu-check-out}}
 PY=${PYTHON:-python3}
 WHEELS=${DPOOL_WHEELS:-.whl}
-TESTS="tests/test_cuda.py tests/test_cuda_integrations.py"
+TESTS="tests/test_cuda.py tests/test_cuda_integrations.py tests/test_doctor.py::test_doctor_passes_here_and_runs_a_training_step"
 COPY_PATH_TESTS="parity or copy_path or train or optimizer"  # (-k) what the copy path must get right
 # What the GPU image lacks (see scripts/gpu-wheels.sh, which downloads exactly these).
 NEEDED_WHEELS="pyzmq"
@@ -35,7 +37,8 @@ check() {  # the plan: wheels, test selection, output folder
       ok=1
     fi
   done
-  for f in $TESTS benchmarks/gpu.py scripts/gpu-test.sh; do
+  for f in $TESTS tests/test_doc_snippets.py benchmarks/gpu.py scripts/gpu-test.sh; do
+    f=${f%%::*}
     [ -f "$f" ] || { echo "gpu-check: $f is missing" >&2; ok=1; }
   done
   if ! mkdir -p "$OUTDIR" || [ ! -w "$OUTDIR" ]; then
@@ -83,6 +86,8 @@ export PYTHONUNBUFFERED=1 DPOOL_WHEELS="$WHEELS"
 step tests 200 bash -c "set -o pipefail; bash scripts/gpu-test.sh $TESTS 2>&1 | tee $SCRATCH/tests.log"
 step copy-path 70 bash -c "set -o pipefail; DPOOL_TEST_COPY_PATH=1 bash scripts/gpu-test.sh tests/test_cuda.py -k '$COPY_PATH_TESTS' \
   2>&1 | tee -a $SCRATCH/tests.log"
+step snippets 30 bash -c "set -o pipefail; bash scripts/gpu-test.sh tests/test_doc_snippets.py -k gpu 2>&1 \
+  | tee -a $SCRATCH/tests.log"
 cp "$SCRATCH/tests.log" "$OUTDIR/tests.log"
 # the install gpu-test.sh made, for the benchmark's processes
 export PYTHONPATH="$PWD:${DPOOL_SITE:-/tmp/dpool-site}:${DPOOL_SITE:-/tmp/dpool-site}-links${PYTHONPATH:+:$PYTHONPATH}"
@@ -96,7 +101,7 @@ step trace-sync 30 env -u DPOOL_CUDA_ASYNC_REPLIES "$PY" benchmarks/gpu.py --tra
   --workloads resnet --setups single,dpool1,dpool
 step trace-async 30 env DPOOL_CUDA_ASYNC_REPLIES=1 "$PY" benchmarks/gpu.py --trace "$SCRATCH/trace-async" \
   --workloads resnet --setups single,dpool1,dpool
-step mps 60 "$PY" benchmarks/gpu.py --mps --workloads resnet,encoder,probe --setups single,dpool1,dpool --steps 20 \
+step mps 50 "$PY" benchmarks/gpu.py --mps --workloads resnet,encoder,probe --setups single,dpool1,dpool --steps 20 \
   --repeats 3 --warmup 3 --out "$OUTDIR/mps.json"
 "$PY" - "$SCRATCH" "$OUTDIR" "${STEPS[@]}" <<'PY'
 import glob, json, os, sys

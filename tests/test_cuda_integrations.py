@@ -149,3 +149,36 @@ def test_an_unchanged_dataparallel_cuda_script_under_python_m_dpool(tmp_path):
     r = json.loads(lines[-1][len("RESULT "):])
     assert r["device"] == "cuda:0" and len(r["pids"]) == 2 and r["me"] not in r["pids"], r
     assert r["params"] < 1e-5, r
+
+
+_WHERE_THE_MODULE_IS = r"""
+import json, os, torch, dpool
+from torch import nn
+x = torch.randn(8, 4)
+with dpool.wrap(nn.Linear(4, 2)) as model:                  # a module on the CPU: CPU workers, GPU or not
+    model(x)
+    on_cpu = model.device_ids
+lazy = dpool.DataParallel(nn.Linear(4, 2)).cuda()           # moved after construction: the GPUs, at the first forward
+lazy(x.cuda()).sum().backward()
+on_gpu = lazy.device_ids
+lazy.close()
+print("RESULT " + json.dumps({"cpu": on_cpu, "gpu": on_gpu, "gpus": torch.cuda.device_count()}))
+"""
+
+
+def test_the_default_workers_are_where_the_module_is_when_they_start():
+    """``device_ids=None`` on a GPU machine: a module on the CPU gets CPU workers (an ``Accelerator(cpu=True)``, a
+    Trainer with ``use_cpu=True``), a module moved to the GPU before the first forward gets every GPU."""
+    r = script_result(run_scripts([_WHERE_THE_MODULE_IS], timeout=240)[0])
+    assert set(r["cpu"]) == {"cpu"} and r["gpu"] == [f"cuda:{i}" for i in range(r["gpus"])], r
+
+
+def test_the_integration_examples_run_as_written_on_the_gpu():
+    """The examples the integration pages show, unchanged, where the workers default to the GPUs: the HF Trainer's
+    and accelerate's (the Lightning ones ask for ``devices=2``, two GPUs: they run where there are two)."""
+    names = ["hf_trainer", "accelerate_one_process"] + (["lightning_trainer", "fabric"]
+                                                        if torch.cuda.device_count() >= 2 else [])
+    runs = run_scripts([f"import runpy; runpy.run_path('examples/integrations/{n}.py', run_name='__main__')"
+                        for n in names], timeout=280)
+    for name, r in zip(names, runs):
+        assert r.returncode == 0, f"{name}: {r.stdout[-2000:]}\n{r.stderr[-4000:]}"

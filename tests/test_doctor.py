@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from dpool.devices import parse_devices
+
 from tests.helpers import ROOT, tmpfs
 
 pytestmark = pytest.mark.timeout(180)
@@ -29,6 +31,9 @@ def test_doctor_passes_here_and_runs_a_training_step():
     assert all(c["status"] in ("OK", "WARN") for c in report["checks"]), report
     step = report["checks"][-1]
     assert step["status"] == "OK" and "the same parameters as one process" in step["detail"], step
+    default = parse_devices(None)  # what dpool.wrap() starts here: every GPU on a GPU machine, else a worker per core
+    on = "CPU" if default[0] == "cpu" else "GPU"
+    assert step["detail"].startswith(f"{len(default)} {on} worker(s) on {','.join(default)}: "), step
     text = _doctor()
     assert text.returncode == 0 and text.stdout.rstrip().endswith("dpool-workers doctor: OK"), text.stdout
     assert "training step" in text.stdout and "shared memory" in text.stdout

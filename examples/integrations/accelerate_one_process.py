@@ -2,7 +2,9 @@
 
     python examples/integrations/accelerate_one_process.py      # needs: pip install -e ".[accelerate]"
 
-A multi-process run (accelerate launch --num_processes 2) would put DDP around dpool; prepare() refuses it.
+The workers go where the accelerator puts the model: one per GPU on a GPU machine, one per physical core on a
+CPU one or with Accelerator(cpu=True). A multi-process run (accelerate launch --num_processes 2) would put DDP
+around dpool; prepare() refuses it.
 """
 import tempfile
 
@@ -12,11 +14,11 @@ from torch import nn
 
 import dpool
 
-accelerator = Accelerator(cpu=True)
-net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+accelerator = Accelerator()
+net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)).to(accelerator.device)
 optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)  # from the bare module's parameters
 data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
-model, optimizer, loader = accelerator.prepare(dpool.wrap(net, ["cpu", "cpu"]), optimizer,
+model, optimizer, loader = accelerator.prepare(dpool.wrap(net), optimizer,
                                                torch.utils.data.DataLoader(data, batch_size=32))
 for x, y in loader:
     optimizer.zero_grad()
@@ -27,5 +29,6 @@ with tempfile.TemporaryDirectory() as d:
     accelerator.save_state(d)
     accelerator.load_state(d)
 with torch.no_grad():
-    print("loss", nn.functional.mse_loss(model(data.tensors[0]), data.tensors[1]).item())
+    x, y = (t.to(accelerator.device) for t in data.tensors)
+    print("loss", nn.functional.mse_loss(model(x), y).item())
 model.close()

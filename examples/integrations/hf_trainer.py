@@ -1,6 +1,9 @@
-"""HF Trainer on two CPU workers: a tiny BERT classifier, built from a config (no download).
+"""HF Trainer with DpoolTrainer: a tiny BERT classifier, built from a config (no download).
 
     python examples/integrations/hf_trainer.py      # needs: pip install -e ".[transformers]"
+
+The workers are the Trainer's devices: one per GPU on a GPU machine, one per physical core on a CPU one
+(or with use_cpu=True). device_ids=[...] chooses them yourself.
 """
 import tempfile
 
@@ -16,12 +19,11 @@ g = torch.Generator().manual_seed(0)
 data = [{"input_ids": torch.randint(0, 100, (16,), generator=g), "label": i % 2} for i in range(64)]
 
 with tempfile.TemporaryDirectory() as out:
-    # 8 rows per worker: 16 a step on two workers, as the Trainer's own DataParallel counts the batch
-    args = TrainingArguments(out, use_cpu=True, per_device_train_batch_size=8, num_train_epochs=2,
+    # 8 rows per worker a step (16 on two workers), as the Trainer's own DataParallel counts the batch
+    args = TrainingArguments(out, per_device_train_batch_size=8, num_train_epochs=2,
                              gradient_accumulation_steps=2, logging_steps=2, report_to=[], disable_tqdm=True)
-    trainer = DpoolTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:16],
-                           device_ids=["cpu", "cpu"])
-    trainer.train()                      # the forwards run on the two workers
+    trainer = DpoolTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:16])
+    trainer.train()                      # the forwards run on the workers
     print(trainer.evaluate())            # the workers start again, and stop when it returns
     trainer.save_model(out + "/final")   # the bare model's keys
     AutoModelForSequenceClassification.from_pretrained(out + "/final")

@@ -1,6 +1,9 @@
-"""Lightning's Trainer with DpoolStrategy: training_step here, the module's forward on two CPU workers.
+"""Lightning's Trainer with DpoolStrategy: training_step here, the module's forward on the workers.
 
     python examples/integrations/lightning_trainer.py      # needs: pip install -e ".[lightning]"
+
+The workers are the Trainer's devices: devices=2 gives two GPUs on a GPU machine and two CPU workers on a
+CPU one (accelerator="gpu" or "cpu" chooses). DpoolStrategy(device_ids=[...]) chooses them yourself.
 """
 import tempfile
 
@@ -31,7 +34,7 @@ class Regressor(L.LightningModule):
 
 data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
 with tempfile.TemporaryDirectory() as root:
-    trainer = L.Trainer(strategy=DpoolStrategy(device_ids=["cpu", "cpu"]), max_epochs=2, accumulate_grad_batches=2,
+    trainer = L.Trainer(strategy=DpoolStrategy(), devices=2, max_epochs=2, accumulate_grad_batches=2,
                         default_root_dir=root, logger=False, enable_progress_bar=False)
     trainer.fit(Regressor(), torch.utils.data.DataLoader(data, batch_size=32))
     Regressor.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)  # the plain class
