@@ -70,6 +70,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.provenance import provenance  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload  # noqa: E402
 from dpool.cpus import physical_cores  # noqa: E402
 
@@ -730,26 +731,6 @@ def same_heap_for_every_setup() -> None:
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(WORKER_MALLOC_KEEP))
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
-
-
-def provenance() -> dict[str, Any]:
-    """What was measured: the dpool version and the commit (``+dirty`` with uncommitted changes)."""
-    import subprocess
-
-    import dpool
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=30).stdout.strip()
-        except OSError:
-            return ""
-
-    commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    if git("status", "--porcelain", "--untracked-files=no", "--", "dpool", "workers", "benchmarks"):
-        commit += "+dirty"
-    return {"dpool": dpool.__version__, "commit": commit}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.provenance import provenance  # noqa: E402
+
 
 class Block(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                "cuda": torch.version.cuda, "steps": args.steps, "repeats": args.repeats,
-                               "mps": "CUDA_MPS_PIPE_DIRECTORY" in os.environ, "rows": []}
+                               "mps": "CUDA_MPS_PIPE_DIRECTORY" in os.environ, **provenance(), "rows": []}
     print(f"# {results['gpu']}, torch {results['torch']} (CUDA {results['cuda']}); median of {args.repeats} "
           f"repeats of {args.steps} steps\n")
     print("| workload | setup | samples/s (min-max) | ms/step | vs single | dpool framework ms/step |")
