@@ -17,11 +17,11 @@ def _git(*args: str) -> str:
 
 def provenance() -> dict[str, Any]:
     """``{"dpool": version, "commit": short hash}``; the hash ends in ``+dirty`` when dpool's code or the benchmarks
-    had uncommitted changes, and is ``unknown`` outside a git checkout."""
+    had uncommitted changes (results files aside), and is ``unknown`` outside a git checkout."""
     import dpool
 
     commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
     if commit != "unknown" and _git("status", "--porcelain", "--untracked-files=no", "--", "dpool", "workers",
-                                    "benchmarks"):
+                                    "benchmarks", ":(exclude)benchmarks/results"):
         commit += "+dirty"
     return {"dpool": dpool.__version__, "commit": commit}
