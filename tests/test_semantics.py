@@ -598,7 +598,7 @@ def test_under_torchrun_each_coordinators_workers_are_bound_to_its_local_share_o
         earlier.join()
 
 
-# the default device_ids are every visible GPU where there is one: the CPU defaults are tested without
+# the default device_ids follow the module (a CPU one gets CPU workers); CUDA is kept out of these runs all the same
 _NO_GPU = dict(os.environ, CUDA_VISIBLE_DEVICES="")
 
 
