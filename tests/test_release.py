@@ -12,7 +12,7 @@ import pytest
 
 import dpool
 from tests.conftest import wait_for
-from tests.helpers import running
+from tests.helpers import run_script, running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}  # Keep a Changelog's
@@ -74,3 +74,21 @@ def test_a_wheel_built_from_the_checkout_installs_in_a_clean_venv_and_trains(tmp
     cli = subprocess.run([str(venv / "bin" / "dpool-workers"), "--version"], capture_output=True, text=True,
                          timeout=60, env=env)
     assert cli.stdout.strip() == f"dpool-workers {dpool.__version__}", cli.stdout + cli.stderr
+
+
+@pytest.mark.parametrize("library", ["transformers", "lightning"])
+def test_an_integration_refuses_its_library_older_than_the_extras_floor(library):
+    """The floor the integration enforces is pyproject.toml's, the oldest version its tests pass with
+    (scripts/test-floors.sh); an older one is an ImportError naming the fix, not a run that may be wrong."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    floor = next(r.split(">=")[1] for r in extras[library] if r.startswith(f"{library}>="))
+    older = f"{int(floor.split('.')[0]) - 1}.99.0" if floor.split(".")[1] == "0" else \
+        f"{floor.split('.')[0]}.{int(floor.split('.')[1]) - 1}.0"
+    res = run_script(f"import {library}\n{library}.__version__ = {older!r}\nimport dpool.integrations.{library}\n",
+                     timeout=120)
+    assert res.returncode != 0, res.stdout
+    assert (f"ImportError: dpool's {library} integration needs {library}>={floor}, the oldest version its tests "
+            f"pass with; this environment has {library} {older}") in res.stderr, res.stderr[-3000:]
+    ok = run_script(f"import dpool.integrations.{library}\n", timeout=120)
+    assert ok.returncode == 0, ok.stderr[-3000:]

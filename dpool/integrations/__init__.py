@@ -7,3 +7,14 @@ accelerate needs no module of its own: a dpool model goes through ``prepare()`` 
 DistributedDataParallel that a multi-process run would put around it is refused by the model itself
 (``dpool.wrapper.DataParallel._ddp_params_and_buffers_to_ignore``).
 """
+
+
+def require(library: str, version: str, floor: tuple[int, int]) -> None:
+    """Refuse a ``library`` older than ``floor`` (its oldest version the integration tests pass with, as in
+    ``pyproject.toml``; ``scripts/test-floors.sh`` runs them): older ones failed them, and a run on one could be
+    silently wrong. An ``ImportError``, as a library raises for a dependency too old."""
+    have = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    if have < floor:
+        raise ImportError(f"dpool's {library} integration needs {library}>={floor[0]}.{floor[1]}, the oldest version "
+                          f"its tests pass with; this environment has {library} {version}. Run "
+                          f"pip install '{library}>={floor[0]}.{floor[1]}' (or: pip install 'dpool[{library}]')")

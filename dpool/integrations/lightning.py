@@ -14,6 +14,7 @@ import contextlib
 import warnings
 from typing import Any, Iterator, Sequence
 
+import lightning
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
 from lightning.fabric.strategies import DataParallelStrategy as _FabricDataParallelStrategy
@@ -23,11 +24,14 @@ from lightning.pytorch.accelerators import Accelerator as _TrainerAccelerator
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from torch import nn
 
+from . import require
 from ..devices import DeviceLike
 from ..errors import UnsupportedError
 from ..wrapper import DataParallel, is_wrapped, wrap
 
 __all__ = ["DpoolStrategy"]
+
+require("lightning", lightning.__version__, (2, 4))
 
 _DESCRIPTION = "dpool: the module's forward on worker processes, one optimizer in this process"
 

@@ -19,15 +19,19 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 from torch import nn
+import transformers
 from torch.utils import _pytree
 from transformers import Trainer
 
+from . import require
 from .. import scatter
 from ..devices import DeviceLike, cpu_workers, parse_devices
 from ..errors import UnsupportedError
 from ..wrapper import DataParallel, is_wrapped, unwrap, wrap
 
 __all__ = ["DpoolTrainer", "DpoolTrainerMixin"]
+
+require("transformers", transformers.__version__, (5, 0))
 
 
 class _Pool:
