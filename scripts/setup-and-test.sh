@@ -22,5 +22,5 @@ PYTHON=python bash scripts/pytest-groups.sh \
 tests/test_examples_bench.py tests/test_bad_input.py" \
   "tests/test_lifecycle.py tests/test_integration_transformers.py tests/test_integration_lightning.py \
 tests/test_integration_accelerate.py tests/test_integration_sentence_transformers.py tests/test_integration_trl.py \
-tests/test_install.py tests/test_errors_lifecycle.py" \
+tests/test_install.py tests/test_errors_lifecycle.py tests/test_release.py tests/test_doc_snippets.py" \
   rest
