@@ -40,6 +40,11 @@ def _sps(data: dict[str, Any], workload: str, setup: str) -> float:
     return data["workloads"][workload]["setups"][setup]["samples_per_s"]
 
 
+def _heap(machine: dict[str, Any]) -> str:
+    """The heap setting every setup of a CPU run had."""
+    return ", ".join(f"`{k}={v}`" for k, v in machine.get("heap", {}).items() if v) or "glibc's defaults"
+
+
 def _gpu(data: dict[str, Any], workload: str, setup: str) -> dict[str, Any]:
     return next(r for r in data["rows"] if r["workload"] == workload and r["setup"] == setup)
 
@@ -103,7 +108,7 @@ def cpu_table() -> str:
         lines.append(f"| {w} ({e['global_batch']}) | " + " | ".join(cells) + " | "
                      + " / ".join(_x(r[s]) for s in ("single", "ddp", "ideal")) + " |")
     m = cpu["machine"]
-    heap = ", ".join(f"`{k}={v}`" for k, v in m.get("heap", {}).items() if v) or "glibc's defaults"
+    heap = _heap(m)
     lines += ["", f"From {source(CPU, cpu)}: {m['cores_physical']} physical cores, Python {m['python']}, torch "
               f"{m['torch']}, {cpu['workers']} workers or ranks, {cpu['repeats']} interleaved repeats; every setup "
               f"ran with {heap}."]
@@ -139,7 +144,7 @@ def nodes_table() -> str:
         lines.append(f"| {w} | " + " | ".join(f"{ms[s]:.2f}" for s in ms) + " | "
                      f"{_x(ms['ddp'] / ms['nodes'])} | {_x(ms['ddp'] / ms['nodes-loss'])} |")
     m = data["machine"]
-    heap = ", ".join(f"`{k}={v}`" for k, v in m.get("heap", {}).items() if v) or "glibc's defaults"
+    heap = _heap(m)
     lines += ["", f"Median ms per step of {data['repeats']} interleaved repeats, from {source(NODES, data)}: two "
               f"coordinators on loopback on one machine of {m['cores_physical']} physical cores (not several "
               f"machines), every setup with {heap}. Above 1.00×, dpool is the faster."]
