@@ -402,10 +402,10 @@ def test_objects_the_model_holds_and_resized_buffers_on_gpu_workers(wrap):
 
 
 def test_buffers_assigned_by_the_forward_or_updated_by_a_backward_hook_on_gpu_workers(wrap):
-    """The GPU half of tests/test_no_silent_errors.py's two buffer tests: a persistent buffer the forward
+    """The GPU half of tests/test_model_changes.py's two buffer tests: a persistent buffer the forward
     assigns a new tensor, and one a backward hook updates in place, reach the master of one GPU worker as
     in one process, and of two by the "first" policy."""
-    from tests.test_no_silent_errors import _AssignsBuffers, _BackwardHookStat
+    from tests.test_model_changes import _AssignsBuffers, _BackwardHookStat
 
     for cls in (_AssignsBuffers, _BackwardHookStat):
         torch.manual_seed(0)

@@ -247,7 +247,7 @@ def test_float32_training(wrap):
 def test_the_same_seed_gives_the_same_dropout_embedded_and_attached(wrap, daemon_pools):
     """Workers seed their generators from the coordinator's: the same torch.manual_seed gives the same
     run whether the pool is embedded or attached from a warm daemon."""
-    from tests.test_no_silent_errors import _Dropout
+    from tests.test_randomness import _Dropout
 
     runs = []
     for pool in (None, daemon_pools[2]):
@@ -262,7 +262,7 @@ def test_the_same_seed_gives_the_same_dropout_embedded_and_attached(wrap, daemon
 def test_an_attached_session_does_not_inherit_the_last_sessions_default_dtype(wrap, daemon_pools):
     """A daemon's workers outlive a session: one that ran under torch.set_default_dtype(torch.float64)
     must not leave the next session's forwards computing in float64."""
-    from tests.test_no_silent_errors import _Constants
+    from tests.test_worker_settings import _Constants
 
     torch.manual_seed(0)
     net = _Constants().double()
