@@ -1,6 +1,6 @@
 """The shape of the code: rules that keep the step composed (see docs/design.md, "Modules").
 
-Beside ``test_stages.py``'s import check: class and function sizes, the facade's size and attributes,
+Beside ``test_stages.py``'s import check: class and function sizes, test files' sizes, the facade's size and attributes,
 messages built by keyword in the stage that owns them, knobs read in one place, no import cycle even
 for type checkers, no timings in comments, and every function a step runs reviewed for Ctrl-C.
 """
@@ -29,6 +29,7 @@ MAX_FUNCTION_LINES = 80
 RATCHET = {"dpool/pool.py:Pool": 558, "dpool/replicate.py:Master": 412}
 FACADE_METHOD_LINES = 25
 FACADE_ATTRIBUTES = 15
+MAX_TEST_FILE_LINES = 1000  # a test file is one subject; past this it is several
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,6 +58,13 @@ def test_no_class_or_function_is_too_large():
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _lines(node) > MAX_FUNCTION_LINES:
                 big.append(f"function {path}:{node.name} has {_lines(node)} lines (at most {MAX_FUNCTION_LINES})")
     assert not big, "\n".join(big)
+
+
+def test_no_test_file_is_over_its_bound():
+    """Tests are filed by subject (what they test), not by the history of the bugs that made them."""
+    sizes = {_rel(p): len(p.read_text().splitlines()) for p in (ROOT / "tests").glob("*.py")}
+    too_long = {name: n for name, n in sizes.items() if n > MAX_TEST_FILE_LINES}
+    assert not too_long, f"test files over {MAX_TEST_FILE_LINES} lines (split them by subject): {too_long}"
 
 
 def test_the_ratchet_is_tight():
