@@ -183,16 +183,8 @@ class DataParallel(nn.DataParallel):
             self._start_with = None  # (a cross-node pool is the job's: it is never started again)
 
     def _place(self, devices: list[str]) -> None:
-        """Put the workers on ``devices``: where outputs gather, the workers' threads, and what a pool must have
-        been started with for this model to join it (``_key``) follow from them."""
-        output_device, dim, cfg, worker_threads, max_restarts, buffers, shard_weights, balance, gather, pool = (
-            self._settings)
-        out_dev = check_devices(devices, output_device)
-        threads = worker_threads or max(1, physical_cores() // (len(devices) * local_share()[1]))
-        self.device_ids = devices
-        self.output_device = out_dev
-        self._key = (devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
-                     str(out_dev))
+        """Put the workers on ``devices``; what follows from them is :func:`_start_key`'s."""
+        self.device_ids, (self.output_device, self._key) = devices, _start_key(devices, self._settings)
         self._start_with = functools.partial(Runtime, self.module, *self._key)
 
     def __getattr__(self, name: str) -> Any:
@@ -390,20 +382,6 @@ class DataParallel(nn.DataParallel):
         self._sharing.clear()
         self.close()
 
-    def _another(self) -> "DataParallel":
-        """A second model on this model's pool (what :func:`wrap` gives for the same module and arguments):
-        closing either leaves the other usable; the pool stops with the last one closed or collected."""
-        other: DataParallel = DataParallel.__new__(DataParallel)
-        nn.Module.__init__(other)
-        other.module = self.module
-        for name in ("device_ids", "output_device", "dim", "_wrap_args", "_runtime", "_close_lock", "_owner_thread",
-                     "_nodes", "_sharing", "_start_with", "_key", "_coordinator_threads", "_follow", "_settings"):
-            object.__setattr__(other, name, getattr(self, name))
-        other._closing, other._saved_threads, other._reopens, other._lazy = None, None, False, False
-        other.training = self.training
-        self._sharing.add(other)
-        return other
-
     def __enter__(self) -> "DataParallel":
         return self
 
@@ -494,6 +472,31 @@ def _join_nodes(nodes: CrossNode, module: nn.Module, workers: int, start: Any) -
     return start(nodes=nodes)
 
 
+def _another(model: DataParallel) -> DataParallel:
+    """A second model on ``model``'s pool (what :func:`wrap` gives for the same module and arguments):
+    closing either leaves the other usable; the pool stops with the last one closed or collected."""
+    other: DataParallel = DataParallel.__new__(DataParallel)
+    nn.Module.__init__(other)
+    other.module = model.module
+    for name in ("device_ids", "output_device", "dim", "_wrap_args", "_runtime", "_close_lock", "_owner_thread",
+                 "_nodes", "_sharing", "_start_with", "_key", "_coordinator_threads", "_follow", "_settings"):
+        object.__setattr__(other, name, getattr(model, name))
+    other._closing, other._saved_threads, other._reopens, other._lazy = None, None, False, False
+    other.training = model.training
+    model._sharing.add(other)
+    return other
+
+
+def _start_key(devices: list[str], settings: tuple) -> tuple[torch.device, tuple]:
+    """For workers on ``devices``: where outputs gather, and what a pool must have been started with for a model
+    to join it (the :class:`Runtime`'s arguments after the module: the workers' threads follow the devices)."""
+    output_device, dim, cfg, worker_threads, max_restarts, buffers, shard_weights, balance, gather, pool = settings
+    out_dev = check_devices(devices, output_device)
+    threads = worker_threads or max(1, physical_cores() // (len(devices) * local_share()[1]))
+    return out_dev, (devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
+                     str(out_dev))
+
+
 def _master_copy(module: nn.Module) -> nn.Module:
     """What a copied or unpickled dpool model becomes: its (already copied) master module."""
     return module
@@ -526,7 +529,7 @@ def wrap(
     key = _wrap_args(device_ids, output_device, dim, kwargs)
     live = _bound_model(module)
     if live is not None and live._wrap_args == key:
-        return live._another()
+        return _another(live)
     model = DataParallel(module, device_ids, output_device, dim, **kwargs)
     model._wrap_args = key
     model._start()
