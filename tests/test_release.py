@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -50,9 +51,14 @@ def test_a_wheel_built_from_the_checkout_installs_in_a_clean_venv_and_trains(tmp
     import site
     import sysconfig
 
-    dist, venv = tmp_path / "dist", tmp_path / "venv"
+    dist, venv, src = tmp_path / "dist", tmp_path / "venv", tmp_path / "src"
+    # (built from a copy of what the package is made of: a build in the checkout would leave build/ there)
+    for name in ("dpool", "workers"):
+        shutil.copytree(os.path.join(ROOT, name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(dist), ROOT], check=True, timeout=240)
+                    "-w", str(dist), str(src)], check=True, timeout=240)
     (wheel,) = dist.glob("dpool-*.whl")
     assert wheel.name.startswith(f"dpool-{dpool.__version__}-")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
