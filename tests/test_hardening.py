@@ -466,6 +466,13 @@ else:
 """
 
 
+def _rounding(steps: int) -> float:
+    """How far float64 training may drift from its one-process replay by rounding alone after ``steps`` steps
+    (the shards' gradients are summed in another order; momentum carries each difference on): a lost or doubled
+    step moves the parameters by about lr × gradient, billions of times more."""
+    return 1e-14 * max(steps, 100)
+
+
 @pytest.mark.timeout(300)
 def test_faults_at_any_moment_keep_the_pool_usable_and_nothing_is_lost():
     """Random SIGKILL and SIGSTOP of random workers for 30-40 s, side by side: in two coordinators with
@@ -484,11 +491,11 @@ def test_faults_at_any_moment_keep_the_pool_usable_and_nothing_is_lost():
         embedded_1, embedded_2, attached = (script_result(r) for r in run_scripts(scripts, timeout=240))
         for r in (embedded_1, embedded_2):
             assert r["faults"] >= 20 and r["restarts"] >= 10 and r["ok"] >= 5, r  # (the steps between faults)
-            assert r["diff"] < 1e-12, r
+            assert r["diff"] < _rounding(r["ok"]), r
             # a failed call's bound: RESTART_TRIES restarts, each within the startup timeout, after the heartbeat's
             assert r["worst_s"] < 3 * 15 + 2 * 1.5 + 10, r
         assert attached["faults"] >= 6 and attached["ok"] >= 5 and attached["failed"] >= 1, attached
-        assert attached["diff"] < 1e-12, attached
+        assert attached["diff"] < _rounding(attached["ok"]), attached
         assert attached["worst_s"] < 3 * 15 + 10, attached
         info = status(name)
         assert info["client_pid"] is None and sum(w["restarts"] for w in info["workers"]) >= 3, info
