@@ -164,14 +164,14 @@ class Lease(Launcher):
         if (fd is not None and select.select([fd], [], [], 0.2)[0]) or self._daemon_stopping():
             return DaemonLostError(
                 f"the dpool-workers daemon of pool {self.name!r} (pid {self.daemon_pid}) is gone or was "
-                f"stopped: {w.where()} exited while {stage} at step {pool.step}. The master module is unchanged "
+                f"stopped: {w.where()} exited while {stage} at step {pool.progress.step}. The master module is unchanged "
                 f"(dpool.unwrap(model) returns it); start the pool again (dpool-workers start --name {self.name}) "
                 "and wrap again."
             )
         return WorkerDiedError(
-            f"{w.where()} of dpool-workers pool {self.name!r} died while {stage} at step {pool.step}{detail}; the "
+            f"{w.where()} of dpool-workers pool {self.name!r} died while {stage} at step {pool.progress.step}{detail}; the "
             f"daemon restarts it (see dpool-workers status --name {self.name}).",
-            worker=w.index, device=w.device, pid=w.pid, step=pool.step,
+            worker=w.index, device=w.device, pid=w.pid, step=pool.progress.step,
             workers=[w.index] + [o.index for o in others],
         )
 

@@ -50,10 +50,10 @@ class Host(Protocol):
     @property
     def params(self) -> list[torch.Tensor]: ...
 
-    def backward(self, state: Any, grads: Sequence[torch.Tensor | None], pieces: Any = None,
+    def backward(self, call_state: Any, grads: Sequence[torch.Tensor | None], pieces: Any = None,
                  param_idx: Sequence[int] = (), taken: Any = None) -> list[torch.Tensor | None]: ...
 
-    def backward_speculated(self, state: Any, guess: Any, hit: bool, crit: Any,
+    def backward_speculated(self, call_state: Any, guess: Any, hit: bool, crit: Any,
                             param_idx: Sequence[int]) -> list[torch.Tensor | None] | None: ...
 
     def criterion(self, handle: Any, crit: Any, targets: tuple) -> torch.Tensor: ...
@@ -375,14 +375,14 @@ class Bridge(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, state: CallState, param_idx: list[int],  # type: ignore[override]
+    def forward(ctx: Any, call_state: CallState, param_idx: list[int],  # type: ignore[override]
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        state.ctx = ctx
-        ctx.state = state
+        call_state.ctx = ctx
+        ctx.call_state = call_state
         ctx.param_idx = param_idx
         track_release(ctx, inputs[0])
-        outs = state.gather()
-        frozen = [o for o, d in zip(outs, state.differentiable) if not d or not (o.is_floating_point() or o.is_complex())]
+        outs = call_state.gather()
+        frozen = [o for o, d in zip(outs, call_state.differentiable) if not d or not (o.is_floating_point() or o.is_complex())]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
         return tuple(outs)
@@ -390,12 +390,12 @@ class Bridge(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         enter_backward(ctx)
-        state: CallState = ctx.state
-        runtime = state.runtime
+        call_state: CallState = ctx.call_state
+        runtime = call_state.runtime
         taken = accumulates(ctx, len(ctx.param_idx)) if runtime.no_sync else None
-        grads_out = runtime.backward(state, grads, None, ctx.param_idx, taken)
+        grads_out = runtime.backward(call_state, grads, None, ctx.param_idx, taken)
         if leave_backward(ctx):  # autograd frees the node as this returns: the workers may free their graphs
-            runtime.graphs.spent(state.call)
+            runtime.graphs.spent(call_state.call)
         return (None, None, *grads_out)
 
 
@@ -408,27 +408,27 @@ class DoubleState:
     (``roots`` order), then the inputs.
     """
 
-    def __init__(self, runtime: Host, state: CallState, call: int, per_shard: list[list[Any]],
+    def __init__(self, runtime: Host, call_state: CallState, call: int, per_shard: list[list[Any]],
                  grads: Sequence[torch.Tensor | None], out: list[torch.Tensor | None]) -> None:
-        self.runtime, self.state, self.call, self.k = runtime, state, call, state.k
+        self.runtime, self.call_state, self.call, self.k = runtime, call_state, call, call_state.k
         self.ctx: Any = None
         self.per_shard = per_shard
-        self.roots = [[o for o, g in enumerate(per_shard[s]) if g is not None and state.metas[s][o].requires_grad]
-                      for s in range(state.k)]
-        self.grad_groups = [j for j, g in enumerate(grads) if j < len(state.groups) and g is not None
+        self.roots = [[o for o, g in enumerate(per_shard[s]) if g is not None and call_state.metas[s][o].requires_grad]
+                      for s in range(call_state.k)]
+        self.grad_groups = [j for j, g in enumerate(grads) if j < len(call_state.groups) and g is not None
                             and g.requires_grad]
-        self.inputs = ([grads[j] for j in self.grad_groups] + list(state.diff_inputs)  # type: ignore[misc]
-                       + list(state.diff_params))
+        self.inputs = ([grads[j] for j in self.grad_groups] + list(call_state.diff_inputs)  # type: ignore[misc]
+                       + list(call_state.diff_params))
         self.present = [g is not None for g in out]
         self.values = [g.clone() for g in out if g is not None]
-        self.n_in = sum(state.rg)
+        self.n_in = sum(call_state.rg)
 
     def pieces(self, vs: Sequence[torch.Tensor | None]) -> tuple[list[list[Any]], list[int]]:
         """Per shard, the gradients for the kept graph's outputs; and the input-gradient segment sizes."""
         it = iter(vs)
         full = [next(it) if p else None for p in self.present]
         v_in, v_par = full[: self.n_in], full[self.n_in:]
-        st, dim = self.state, self.runtime.dim
+        st, dim = self.call_state, self.runtime.dim
         idx = [j for j, r in enumerate(st.rg) if r]
         per_shard, sizes = [], []
         for s in range(self.k):
@@ -447,7 +447,7 @@ class DoubleState:
 
     def results(self, metas: list[list[Any]], param_grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Gradients for :attr:`inputs`: incoming output gradients, then inputs, then parameters."""
-        st, dim, io = self.state, self.runtime.dim, self.runtime.io
+        st, dim, io = self.call_state, self.runtime.dim, self.runtime.io
         d_grads: list[torch.Tensor | None] = []
         for j in self.grad_groups:
             parts: list[torch.Tensor | None] = []

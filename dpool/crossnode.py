@@ -47,7 +47,7 @@ import logging
 import os
 import struct
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -58,6 +58,7 @@ from .errors import CollectiveDesyncError, DpoolValueError, UnsupportedError
 from .policies import gloo_loop_policy
 from .layout import Layout
 from .peers import Peer, Peers
+from .progress import Progress
 from .reduce import Reducer
 
 __all__ = ["CrossNode", "CrossNodeReducer", "resolve_group", "gloo_loops", "FORWARD", "BACKWARD"]
@@ -65,6 +66,7 @@ __all__ = ["CrossNode", "CrossNodeReducer", "resolve_group", "gloo_loops", "FORW
 log = logging.getLogger("dpool")
 
 FORWARD, BACKWARD = 1, 2
+_T = TypeVar("_T")
 _KINDS = {FORWARD: "a training forward", BACKWARD: "a backward"}
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's kDefaultFirstBucketBytes
 BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb=25
@@ -158,9 +160,9 @@ class CrossNode:
         self.comm_device = device if self.backend == "nccl" else torch.device("cpu")
         self.device = device
         self.config = config
-        self.step = 0  # the runtime's step counter, for messages
+        self.progress = Progress()  # the runtime's step counter, for messages (see serve())
+        self._leave: Callable[[], Callable[[BaseException], None] | None] = lambda: None
         self.seq = 0  # collectives points (headers) issued
-        self.fseq = 0  # training forwards so far (a backward's header names the one it belongs to)
         self.collectives = 0  # every collective issued (tests count them)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         ns = f"dpool/{getattr(group, 'group_name', 'pg')}/{restart}/{next(_WRAPS)}"
@@ -180,6 +182,22 @@ class CrossNode:
         if auto and self.rank == 0:
             log.warning("dpool: cross-node mode over the default process group (%d nodes, %s); pass "
                         "process_group=None to stay on one node", self.size, self.backend)
+
+    def serve(self, progress: Progress, leave: Callable[[], Callable[[BaseException], None] | None]) -> None:
+        """Serve a runtime: count steps with its ``progress``, and leave the job through ``leave()`` (a weak
+        reference to what ends the runtime's part in the job: see :meth:`synced`)."""
+        self.progress, self._leave = progress, leave
+
+    def synced(self, run: Callable[[], _T]) -> _T:
+        """Run a call that takes part in the nodes' collectives; a failure ends this node's part in the job
+        (the other nodes are told, the runtime's workers stop: its ``leave``)."""
+        try:
+            return run()
+        except BaseException as exc:
+            leave = self._leave()
+            if leave is not None:
+                leave(exc)
+            raise
 
     @property
     def waited_s(self) -> float:
@@ -228,13 +246,13 @@ class CrossNode:
         n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros_like(n) for _ in range(self.size)]
         self.peers.wait(self.launch(lambda: dist.all_gather(sizes, n, group=self.group, async_op=True), doing), doing,
-                        self.step)
+                        self.progress.step)
         most = int(max(int(s) for s in sizes))
         buf = torch.zeros(most, dtype=torch.uint8, device=dev)
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
         outs = [torch.zeros_like(buf) for _ in range(self.size)]
         self.peers.wait(self.launch(lambda: dist.all_gather(outs, buf, group=self.group, async_op=True), doing), doing,
-                        self.step)
+                        self.progress.step)
         self.collectives += 2
         return [bytes(o[:int(s)].tolist()) for o, s in zip(outs, sizes)]  # (uint8 values; torch needs no numpy)
 
@@ -259,7 +277,7 @@ class CrossNode:
             CollectiveDesyncError: the ranks are at different collectives (on every rank alike).
         """
         work, doing = self.start_header(kind, at)
-        self.peers.wait(work, doing, self.step)
+        self.peers.wait(work, doing, self.progress.step)
         self.check_header()
 
     def next_header(self, kind: int, at: int) -> torch.Tensor:
@@ -304,18 +322,18 @@ class CrossNode:
                 f"the nodes are out of step: {lines}. Every rank must run the same training forwards and backwards "
                 "(an extra backward, a training forward outside no_sync() on one rank only, or a rank that skipped "
                 "a batch). Nothing was combined; the master module is unchanged.",
-                rank=odd, host=p.host, pid=p.pid, step=self.step)
+                rank=odd, host=p.host, pid=p.pid, step=self.progress.step)
 
     def broadcast(self, t: torch.Tensor, doing: str) -> None:
         """Rank 0's ``t`` into every rank's ``t`` (bounded wait)."""
         self.peers.wait(self.launch(lambda: self.dist.broadcast(t, self._root, group=self.group, async_op=True), doing),
-                        doing, self.step)
+                        doing, self.progress.step)
         self.collectives += 1
 
     def all_reduce(self, t: torch.Tensor, doing: str) -> None:
         """SUM of ``t`` over the ranks, in place (bounded wait)."""
         self.peers.wait(self.launch(lambda: self.dist.all_reduce(t, group=self.group, async_op=True), doing), doing,
-                        self.step)
+                        self.progress.step)
         self.collectives += 1
 
     def exchange(self, mine: torch.Tensor, theirs: torch.Tensor, slot: int) -> tuple[Any, Any]:
@@ -350,11 +368,11 @@ class CrossNode:
         try:
             return start()
         except RuntimeError as exc:
-            raise self.peers.lost(str(exc), doing, self.step) from None
+            raise self.peers.lost(str(exc), doing, self.progress.step) from None
 
     def fail(self, exc: BaseException) -> None:
         """This rank failed a synchronised call: every other rank learns it within a heartbeat tick."""
-        self.peers.fail(exc, self.step)
+        self.peers.fail(exc, self.progress.step)
 
     def close(self) -> None:
         """Stop the heartbeat thread and wait for it (see :meth:`Peers.stop`)."""
@@ -499,7 +517,7 @@ class CrossNodeReducer(Reducer):
         nodes = self.nodes
         if not self._header_checked:  # ranks out of step exchange nothing
             work, doing = self._header
-            nodes.peers.wait(work, doing, nodes.step)
+            nodes.peers.wait(work, doing, nodes.progress.step)
             nodes.check_header()
             self._header_checked = True
         assert self._slots is not None
@@ -567,7 +585,7 @@ class CrossNodeReducer(Reducer):
         last = len(self._works) - 1
         late, union = False, self._mask
         for i, (work, out, pair) in enumerate(self._works):
-            nodes.peers.wait(work, "combining the gradients", nodes.step)
+            nodes.peers.wait(work, "combining the gradients", nodes.progress.step)
             if pair is not None:
                 if self.p2p and (i == last or i == 0 and self._post):
                     raw = _raw(self._recvs[i])  # the other rank's bucket, as it sent it

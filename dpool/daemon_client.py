@@ -162,7 +162,7 @@ def request(pool: str, msg: Any, timeout: float = 5.0) -> Any:
         given = _answer(chan, deadline, label, timeout, endpoint)
         if not isinstance(given, P.ChallengeDone):
             raise P.ProtocolError(f"the dpool-workers daemon of {label} answered {given.op!r} to a challenge request")
-        if "challenge" in msg._names:  # (a request the daemon serves; any other is answered with an error)
+        if hasattr(msg, "challenge"):  # (a request the daemon serves; any other is answered with an error)
             msg.challenge = given.challenge
         chan.send(msg)
         reply = _answer(chan, deadline, label, timeout, endpoint)

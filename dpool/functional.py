@@ -7,7 +7,7 @@ from torch import nn
 
 from .devices import DeviceLike
 from .errors import DpoolTypeError
-from .wrapper import DataParallel, wrap
+from .wrapper import DataParallel, usable, wrap
 
 __all__ = ["data_parallel"]
 
@@ -83,7 +83,7 @@ def data_parallel(
         object.__setattr__(module, _ATTR, holder)  # (set before wrap(): the replicas get an empty holder)
     key = (None if device_ids is None else [str(d) for d in device_ids], str(output_device), dim)
     model = holder.model
-    if model is None or holder.key != key or model._runtime is None or model._runtime.pool.broken is not None:
+    if model is None or holder.key != key or not usable(model):
         if model is not None:
             model.close()
         holder.model = None

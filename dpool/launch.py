@@ -34,7 +34,6 @@ class Pool(Protocol):
 
     workers: list["Worker"]
     config: Any
-    step: int
     threads: int
     endpoint: str
     prefix: str
@@ -42,6 +41,7 @@ class Pool(Protocol):
     key: bytes
     inherited_fds: list[int]
     chan: Any
+    progress: Any
 
     def watch(self, w: "Worker") -> None: ...
     def tell(self, w: "Worker", msg: Any) -> bool: ...
@@ -395,7 +395,7 @@ class Spawn(Launcher):
             for t in w.threads:
                 t.join(timeout=1.0)  # its last words, before they are quoted
         tail = "".join(w.stderr_tail).rstrip()
-        text = f"{w.where()} {how} while {stage} at step {pool.step}{detail}.{hint}"
+        text = f"{w.where()} {how} while {stage} at step {pool.progress.step}{detail}.{hint}"
         if others:
             text += " Also dead: " + ", ".join(
                 f"{o.where()} ({signal_name(o.proc.returncode) or 'exit ' + str(o.proc.returncode)})"
@@ -405,7 +405,7 @@ class Spawn(Launcher):
         if stage == "starting":
             return WorkerStartError(text, workers=[w.index] + [o.index for o in others])
         return WorkerDiedError(
-            text, worker=w.index, device=w.device, pid=w.pid, step=pool.step,
+            text, worker=w.index, device=w.device, pid=w.pid, step=pool.progress.step,
             exitcode=rc if rc is not None and rc >= 0 else None, signal_name=sig,
             workers=[w.index] + [o.index for o in others],
         )

@@ -49,12 +49,12 @@ class ShardedOutput:
     Pass it to a :func:`criterion`, or call :meth:`gather` for the usual gathered output.
     """
 
-    def __init__(self, runtime: Host, state: Any, specs: list | None, diff_inputs: list) -> None:
+    def __init__(self, runtime: Host, call_state: Any, specs: list | None, diff_inputs: list) -> None:
         self._runtime = runtime
         # its CallState; a deferred forward's stand-in (dpool.step.forward.Unrun) until it ran, filled in then
-        self._state: Any = state
-        self._specs: Any = specs
-        self._diff_inputs = diff_inputs
+        self.call_state: Any = call_state
+        self.specs: Any = specs
+        self.diff_inputs = diff_inputs
 
     @property
     def saved_tensors(self) -> tuple:  # lets the runtime's graph-release probe treat handles like ctx objects
@@ -63,14 +63,14 @@ class ShardedOutput:
     @property
     def shard_sizes(self) -> list[int]:
         """Rows of the batch each worker holds."""
-        return list(self._state.rows)
+        return list(self.call_state.rows)
 
     def gather(self) -> Any:
         """The gathered output, exactly as ``gather=True`` would have returned it (differentiable)."""
         return self._runtime.gather_kept(self)
 
     def __repr__(self) -> str:
-        return f"ShardedOutput(call={self._state.call}, shard_sizes={self.shard_sizes})"
+        return f"ShardedOutput(call={self.call_state.call}, shard_sizes={self.shard_sizes})"
 
     def __getattr__(self, name: str) -> Any:
         # only for names a tensor has (out.backward(), out.shape, out.argmax(1)): others fail as usual
@@ -117,12 +117,8 @@ class criterion:
         self._values: list[torch.Tensor] = []
         self.payload()  # checks the reduction
         self.backward_with_loss = backward_with_loss
-        self._speculate = True  # run the backward with the loss (see the module's note); off after a miss
-        self._last: Speculation | None = None
+        self.speculation = SpeculationPolicy()
         self._seed_key: tuple | None = None  # the latest predicted seed, as (bytes, value), and what it was for
-        # Whether to count the targets that are not ignore_index before the round (two ops and a read, every
-        # step) rather than predict that none is: set once a round's denominators showed some (see predict_seed)
-        self._count_ignored = False
         self._seed: tuple[bytes, float] = (b"", 0.0)
 
     def payload(self) -> bytes:
@@ -205,7 +201,7 @@ class LossBridge(torch.autograd.Function):
         guess, box.guess = box.guess, None  # a second backward (retain_graph=True) runs its own round
         done = None
         if guess is not None:
-            done = box.runtime.backward_speculated(box.state, guess, guess.hit(grad, box.denom), box.crit,
+            done = box.runtime.backward_speculated(box.call_state, guess, guess.hit(grad, box.denom), box.crit,
                                                    box.param_idx)
         if done is None:
             seed = shard_seed(grad, box.denom, box.dtype)
@@ -213,9 +209,47 @@ class LossBridge(torch.autograd.Function):
             for s, idx in enumerate(box.indices):
                 pieces[s][idx] = seed
             taken = accumulates(ctx, len(box.param_idx)) if box.runtime.no_sync else None
-            done = box.runtime.backward(box.state, (), pieces, box.param_idx, taken)
+            done = box.runtime.backward(box.call_state, (), pieces, box.param_idx, taken)
         leave_backward(ctx)
         return (None, *done)
+
+
+class SpeculationPolicy:
+    """When a criterion's workers run its backward with its loss (see the module's note): on until a miss.
+
+    ``count_ignored``: count the targets that are not ``ignore_index`` before the round (two ops and a read,
+    every step) rather than predict that none is; set once a round's denominators showed some (see
+    :func:`predict_seed`).
+    """
+
+    __slots__ = ("on", "last", "count_ignored")
+
+    def __init__(self) -> None:
+        self.on = True
+        self.last: Speculation | None = None  # the latest loss's prediction
+        self.count_ignored = False
+
+    def allows(self) -> bool:
+        """Whether this loss may speculate: not after a miss, nor when the previous loss of this criterion was
+        never backpropagated (its early backward would have counted for nothing)."""
+        if self.last is not None and not self.last.settled:
+            self.on = False
+        return self.on
+
+    def settle(self, guess: Speculation, matched: bool, ran_at: int | None, replies: list, flags: bytes) -> None:
+        """The loss round is in: the denominators ``matched`` the prediction or not; the early backward ran
+        (at slot generation ``ran_at``) with the parameters' ``flags``, or did not (``None``)."""
+        if not matched:  # predicted with every target counted (target_count): count them from now on
+            self.count_ignored = True
+        guess.gen = ran_at if ran_at is not None else -1
+        guess.replies = replies if ran_at is not None else None
+        guess.flags = flags
+        self.last = guess
+
+    def backpropagated(self, guess: Speculation, hit: bool) -> None:
+        """``loss.backward()`` ran: a miss (a scaled loss, GradScaler) turns speculation off until a would-be hit."""
+        guess.settled = True
+        self.on = hit
 
 
 class Speculation:
@@ -302,9 +336,9 @@ def predict_seed(crit: criterion, targets: tuple, shard_targets: Callable[[], li
             found = [elementwise_denominator(crit.loss, o, t) for o, t in zip(output_shapes(), shard_targets())]
         elif getattr(crit.loss, "weight", None) is not None:
             found = [target_denominator(crit.loss, t) for t in shard_targets()]
-        elif crit._count_ignored:  # a count of rows: exact whatever the order
+        elif crit.speculation.count_ignored:  # a count of rows: exact whatever the order
             found = [target_denominator(crit.loss, targets)]
-        else:  # every target counted, until a round showed some ignored (see criterion._count_ignored)
+        else:  # every target counted, until a round showed some ignored (see SpeculationPolicy.count_ignored)
             found = [target_count(crit.loss, targets)]
         if any(d is None for d in found):
             return None
@@ -319,11 +353,11 @@ def predict_seed(crit: criterion, targets: tuple, shard_targets: Callable[[], li
 
 
 class _LossBox:
-    __slots__ = ("runtime", "state", "value", "dtype", "denom", "indices", "handle", "guess", "crit", "param_idx")
+    __slots__ = ("runtime", "call_state", "value", "dtype", "denom", "indices", "handle", "guess", "crit", "param_idx")
 
     def __init__(self, runtime: Host, handle: ShardedOutput, value: torch.Tensor, denom: float,
                  indices: list[int], guess: Speculation | None, crit: criterion, param_idx: list[int]) -> None:
-        self.runtime, self.state, self.denom, self.indices = runtime, handle._state, denom, indices
+        self.runtime, self.call_state, self.denom, self.indices = runtime, handle.call_state, denom, indices
         self.value: torch.Tensor | None = value  # the loss LossBridge returns (taken by its forward)
         self.dtype = value.dtype
         self.handle = handle  # the loss's graph keeps the outputs on the workers alive
@@ -522,11 +556,11 @@ def combine(runtime: Host, handle: ShardedOutput, replies: list, dtype: torch.dt
                                 dtype=dtype, device=runtime.output_device)
     box = _LossBox(runtime, handle, value, denom if denom else 1.0, [r.index for r in replies], guess, crit,
                    param_idx)
-    grad_inputs = handle._diff_inputs + [runtime.params[i] for i in box.param_idx]
-    if torch.is_grad_enabled() and grad_inputs and any(handle._state.differentiable):
+    grad_inputs = handle.diff_inputs + [runtime.params[i] for i in box.param_idx]
+    if torch.is_grad_enabled() and grad_inputs and any(handle.call_state.differentiable):
         return LossBridge.apply(box, *grad_inputs)
     return value
 
 
 def build_output(handle: ShardedOutput, gathered: list) -> Any:
-    return _gather.build(handle._specs, iter(gathered))
+    return _gather.build(handle.specs, iter(gathered))

@@ -112,6 +112,7 @@ from .config import Config
 from .daemon_client import runtime_dir
 from .errors import ForkedChildError, PoolBrokenError, ProtocolError, WorkerStartError, WorkerTimeoutError
 from .launch import Launcher, Spawn, Worker, show_output
+from .progress import Progress
 from .sweep import sweep_sockets
 from .transport import cuda_ipc, new_region
 from .transport.shm import Segment, segment_prefix
@@ -149,11 +150,12 @@ class Pool:
         async_replies: GPU workers reply before their GPU ran a forward's kernels, with an event of ours our
             streams wait on (unverified; NOTE [ CUDA ownership ] in :mod:`dpool.transport.cuda_ipc`).
         across: combines SyncBatchNorm's statistics with other nodes' (cross-node mode), or ``None``.
+        progress: the step counter its errors name (the runtime's; a new one if ``None``).
     """
 
     def __init__(self, devices: Sequence[str], config: Config, threads: int, attach: str | None = None,
                  reply_together: bool = False, spin_s: float = 0.0, async_replies: bool = False,
-                 across: Callable | None = None) -> None:
+                 across: Callable | None = None, progress: Progress | None = None) -> None:
         self.launcher: Launcher = Lease(attach) if attach is not None else Spawn()
         self.devices = list(devices)
         self.events = CudaEvents(self.devices, async_replies)  # (NOTE [ CUDA ownership ])
@@ -162,7 +164,7 @@ class Pool:
         self.threads = threads
         self.prefix = segment_prefix()
         self.owner_pid = os.getpid()  # a forked child that inherited this pool must not use or close it
-        self.step = 0
+        self.progress = progress if progress is not None else Progress()  # (the step its errors name)
         self._broken: str | None = None
         self._closed = False  # close() began (see close())
         self._close_done = False
@@ -510,7 +512,7 @@ class Pool:
                 spin_to = self.sent_at + took + self.spin_s
         while need:
             if self._closed:  # close() from another thread: it killed the workers, which woke us
-                raise PoolBrokenError(f"the pool was closed (from another thread) while {stage} at step {self.step}")
+                raise PoolBrokenError(f"the pool was closed (from another thread) while {stage} at step {self.progress.step}")
             now = time.monotonic()
             if now >= deadline:
                 idx = min(need)
@@ -521,10 +523,10 @@ class Pool:
                             "stacks were dumped to stderr above and it was killed. Raise DPOOL_STARTUP_TIMEOUT "
                             "(or startup_timeout_s) if loading this model legitimately takes longer.")
                 else:
-                    what = (f"step {self.step} exceeded step_timeout={timeout:g}s on {w.where()} while {stage}; "
+                    what = (f"step {self.progress.step} exceeded step_timeout={timeout:g}s on {w.where()} while {stage}; "
                             "the worker's stacks were dumped to stderr above and it was killed. "
                             "Raise DPOOL_STEP_TIMEOUT if steps are legitimately this slow.")
-                raise WorkerTimeoutError(what, worker=idx, device=w.device, pid=w.pid, step=self.step)
+                raise WorkerTimeoutError(what, worker=idx, device=w.device, pid=w.pid, step=self.progress.step)
             events = self._spin(spin_to) if now < spin_to else {}
             spun = bool(events)
             if not spun:
@@ -563,12 +565,10 @@ class Pool:
                         w = self.workers[idx]
                         self._dump_and_kill(w)
                         raise WorkerTimeoutError(
-                            f"{w.where()} unresponsive while {stage} at step {self.step}: no heartbeat for "
+                            f"{w.where()} unresponsive while {stage} at step {self.progress.step}: no heartbeat for "
                             f"{silent / 1e9:.1f}s (heartbeat_timeout={self.config.heartbeat_timeout_s:g}s). It is "
                             "stuck holding the GIL or frozen; its stacks were dumped to stderr above and it was "
-                            "killed.",
-                            worker=idx, device=w.device, pid=w.pid, step=self.step,
-                        )
+                            "killed.", worker=idx, device=w.device, pid=w.pid, step=self.progress.step)
         if spun:  # only a spin sets it
             self.rounds_spun += 1
         if replies and not loading:
@@ -615,7 +615,7 @@ class Pool:
             return
         dead = self._dying_together()
         if self._closed:
-            raise PoolBrokenError(f"the pool was closed (from another thread) while {stage} at step {self.step}")
+            raise PoolBrokenError(f"the pool was closed (from another thread) while {stage} at step {self.progress.step}")
         if not dead:
             return
         for w in dead:

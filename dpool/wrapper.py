@@ -17,6 +17,7 @@ from torch import nn
 
 from . import knobs
 from .step import Runtime
+from .step.state import Options
 from .config import Config
 from .cpus import local_share, physical_cores
 from .crossnode import CrossNode, resolve_group
@@ -185,7 +186,7 @@ class DataParallel(nn.DataParallel):
     def _place(self, devices: list[str]) -> None:
         """Put the workers on ``devices``; what follows from them is :func:`_start_key`'s."""
         self.device_ids, (self.output_device, self._key) = devices, _start_key(devices, self._settings)
-        self._start_with = functools.partial(Runtime, self.module, *self._key)
+        self._start_with = functools.partial(Runtime, self.module, self._key)
 
     def __getattr__(self, name: str) -> Any:
         # what neither this model nor nn.Module has is the master's (model.generate, model.config), run here
@@ -487,14 +488,15 @@ def _another(model: DataParallel) -> DataParallel:
     return other
 
 
-def _start_key(devices: list[str], settings: tuple) -> tuple[torch.device, tuple]:
+def _start_key(devices: list[str], settings: tuple) -> tuple[torch.device, Options]:
     """For workers on ``devices``: where outputs gather, and what a pool must have been started with for a model
-    to join it (the :class:`Runtime`'s arguments after the module: the workers' threads follow the devices)."""
+    to join it (the :class:`Runtime`'s options: the workers' threads follow the devices)."""
     output_device, dim, cfg, worker_threads, max_restarts, buffers, shard_weights, balance, gather, pool = settings
     out_dev = check_devices(devices, output_device)
     threads = worker_threads or max(1, physical_cores() // (len(devices) * local_share()[1]))
-    return out_dev, (devices, dim, cfg, threads, max_restarts, buffers, shard_weights, balance, gather, pool,
-                     str(out_dev))
+    return out_dev, Options(devices=devices, dim=dim, config=cfg, worker_threads=threads, max_restarts=max_restarts,
+                            buffers=buffers, shard_weights=shard_weights, balance=balance, gather=gather,
+                            attach=pool, output_device=str(out_dev))
 
 
 def _master_copy(module: nn.Module) -> nn.Module:
@@ -543,10 +545,27 @@ _BOUND: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[DataParallel]]" = weak
 def _bound_model(module: nn.Module) -> DataParallel | None:
     ref = _BOUND.get(module)
     model = ref() if ref is not None else None
-    rt = model._runtime if model is not None else None
-    if rt is None or rt.pool.broken is not None or os.getpid() != rt.pool.owner_pid:
-        return None
-    return model
+    return model if model is not None and usable(model) else None
+
+
+def usable(model: DataParallel) -> bool:
+    """Whether ``model``'s pool can serve a call now: started, neither closed nor broken, and this process's (a
+    forked child's copy of a model is not). :func:`wrap`, :func:`dpool.data_parallel` and the trainer
+    integrations ask this, and only this."""
+    rt = model._runtime
+    return rt is not None and rt.pool.broken is None and os.getpid() == rt.pool.owner_pid
+
+
+def reopens(model: DataParallel) -> None:
+    """Let ``model`` start its workers again when it is used after a close (a trainer closes its pool when
+    ``train()`` returns, and may train again)."""
+    model._reopens = True
+
+
+def reopen(model: DataParallel) -> None:
+    """Start ``model``'s workers again if it was closed (see :func:`reopens`); nothing if it runs."""
+    if model._runtime is None:
+        model._start()
 
 
 def _wrap_args(device_ids: Any, output_device: Any, dim: int, kwargs: dict) -> tuple:

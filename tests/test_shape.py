@@ -26,7 +26,7 @@ MAX_CLASS_LINES = 400
 MAX_FUNCTION_LINES = 80
 # Classes over MAX_CLASS_LINES that may keep their size but not grow (they are coherent: processes and
 # rounds; the master's binding).
-RATCHET = {"dpool/pool.py:Pool": 558, "dpool/replicate.py:Master": 412}
+RATCHET = {"dpool/pool.py:Pool": 557, "dpool/replicate.py:Master": 412}
 FACADE_METHOD_LINES = 25
 FACADE_ATTRIBUTES = 15
 MAX_TEST_FILE_LINES = 1000  # a test file is one subject; past this it is several
@@ -282,3 +282,168 @@ def test_the_ctrl_c_tests_cut_only_listed_functions():
     targets = [getattr(getattr(getattr(step, modules.get(m, m)), cls), fn) for m, cls, fn in names]
     assert len(targets) >= 8, names
     assert all(_codes(t) & listed for t in targets), [n for n, t in zip(names, targets) if not _codes(t) & listed]
+
+
+# ---------------------------------------------------------------------- the seams between the stages
+MAX_STAGE_PARAMETERS = 6  # a stage takes the StepParts and the stages it calls
+MAX_RUNTIME_FILE_LINES = 300
+# Private names of torch, the standard library and other libraries that dpool must touch, each with why.
+FOREIGN_PRIVATE = {
+    "_C": "torch's C bindings: autograd's graph task, the functorch stack, CUDA and cuDNN queries",
+    "_version": "a tensor's version counter: how in-place changes are seen (torch exposes no other)",
+    "_BatchNorm": "torch.nn.modules.batchnorm._BatchNorm: every BatchNorm's base class",
+    "_buffers": "nn.Module's registries, read and set without its __setattr__ (as torch's own copies do)",
+    "_parameters": "nn.Module's registries (as _buffers)",
+    "_modules": "nn.Module's registries (as _buffers)",
+    "_non_persistent_buffers_set": "nn.Module's registries (as _buffers)",
+    "_forward_pre_hooks": "nn.Module's hooks, followed into the replicas",
+    "_backward_hooks": "a tensor's hooks: torch lists them nowhere else",
+    "_post_accumulate_grad_hooks": "a tensor's hooks (as _backward_hooks)",
+    "_global_forward_hooks": "torch.nn.modules.module's global hooks, which the workers cannot run",
+    "_global_forward_pre_hooks": "as _global_forward_hooks",
+    "_global_backward_hooks": "as _global_forward_hooks",
+    "_global_backward_pre_hooks": "as _global_forward_hooks",
+    "_execution_engine": "torch.autograd.Variable._execution_engine: the graph task a hook runs in",
+    "_autograd": "torch._C._autograd: the graph task a hook runs in",
+    "_current_level": "torch.autograd.forward_ad's dual level: is forward-mode AD on",
+    "_cdata": "a tensor's identity across Python wrappers",
+    "_values": "a sparse COO tensor's values without coalescing",
+    "_foreach_add_": "torch's multi-tensor kernels",
+    "_foreach_copy_": "torch's multi-tensor kernels",
+    "_foreach_zero_": "torch's multi-tensor kernels",
+    "_dynamo": "torch._dynamo.disable: the coordinator's call stays out of a compiled graph",
+    "_get_cudnn_allow_tf32": "torch's TF32 setting, which has no public getter on older torch",
+    "_is_fastpath_enabled": "nn.MultiheadAttention's fast path setting",
+    "_inject_new_class": "torch.nn.utils.parametrize, followed into the replicas",
+    "_inject_property": "torch.nn.utils.parametrize, followed into the replicas",
+    "_lazy_init": "torch.cuda's initialisation before an IPC handle is opened",
+    "_new_shared_cuda": "torch's CUDA IPC: a storage from a handle",
+    "_share_cuda_": "torch's CUDA IPC: a storage's handle",
+    "_release_ipc_counter_cuda": "torch's CUDA IPC: the producer's reference count",
+    "_set_allocator_settings": "the CUDA caching allocator's settings, set as PYTORCH_CUDA_ALLOC_CONF would",
+    "_cuda_getDriverVersion": "the CUDA driver version, for dpool-workers doctor",
+    "_log_api_usage_once": "the usage log nn.DataParallel writes too",
+    "_metadata": "a state_dict's metadata (its versions), kept as torch keeps it",
+    "_get_default_store": "torch.distributed's store, for the nodes' heartbeats",
+    "_world": "torch.distributed's groups",
+    "_getframe": "sys._getframe: the user's stack level of a warning",
+    "_exit": "os._exit: a process ends past the interpreter's teardown",
+    "_inst": "random._inst: the random module's generator, seeded in the workers",
+    "_reconstructor": "copyreg._reconstructor: a subclass pickles as its base",
+    "_n_gpu": "transformers' TrainingArguments._n_gpu, which its n_gpu reads",
+    "_can_record_outputs": "transformers' output recording, followed into the replicas",
+    "_compiled_call_impl": "nn.Module's compiled call, which Lightning's strategy sets",
+}
+# dpool/step/__init__.py lists every function a step runs, private ones too: that list is the Ctrl-C review.
+PRIVATE_EXEMPT = {"dpool/step/__init__.py"}
+
+
+def _own_names(tree: ast.Module) -> set[str]:
+    """The names a module defines: its functions, classes, assigned names and attributes, and arguments."""
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            own.add(node.target.id)
+        elif isinstance(node, ast.alias):
+            own.add(node.asname or node.name.split(".")[0])
+        elif isinstance(node, ast.arg):
+            own.add(node.arg)
+    return own
+
+
+def test_no_module_reads_or_writes_another_modules_private_names():
+    """A private name is its module's: another module asks through a public one (torch's and other libraries'
+    internals that dpool must touch are listed, each with its reason)."""
+    foreign = []
+    for path, tree in _trees().items():
+        if path in PRIVATE_EXEMPT:
+            continue
+        own = _own_names(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and node.attr not in own and node.attr not in FOREIGN_PRIVATE):
+                foreign.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    assert not foreign, "private names of another module:\n" + "\n".join(foreign)
+    unused = set(FOREIGN_PRIVATE) - {n.attr for t in _trees().values() for n in ast.walk(t)
+                                     if isinstance(n, ast.Attribute)}
+    assert not unused, f"FOREIGN_PRIVATE lists names no module uses any more: {sorted(unused)}"
+
+
+def _step_trees() -> dict[str, ast.Module]:
+    return {p: t for p, t in _trees().items() if p.startswith("dpool/step/")}
+
+
+def test_no_stage_constructor_takes_more_than_the_parts_and_the_stages_it_calls():
+    wide = [f"{path}:{cls.name}.__init__ takes {len(init.args.args) - 1 + len(init.args.kwonlyargs)}"
+            for path, tree in _step_trees().items() for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+            for init in cls.body if isinstance(init, ast.FunctionDef) and init.name == "__init__"
+            and len(init.args.args) - 1 + len(init.args.kwonlyargs) > MAX_STAGE_PARAMETERS]
+    assert not wide, f"constructors in dpool/step over {MAX_STAGE_PARAMETERS} parameters (take a StepParts): {wide}"
+
+
+def _step_state_fields() -> set[str]:
+    tree = _trees()["dpool/step/state.py"]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StepState")
+    return {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+
+
+def test_the_step_state_changes_only_through_its_methods():
+    """Each change of the step's state is a named transition of StepState (defer, take and drop the held
+    forward; begin and end a restart; hold and release; forget what was sent): no module assigns its fields."""
+    fields = _step_state_fields()
+    assert {"pending", "restarting", "restarts_left", "workers_hold", "sent_flags"} <= fields, fields
+    writes = []
+    for path, tree in _trees().items():
+        if path == "dpool/step/state.py":
+            continue
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                       if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                for a in ast.walk(t):
+                    if (isinstance(a, ast.Attribute) and a.attr in fields and isinstance(a.ctx, ast.Store)
+                            and ast.unparse(a.value).rpartition(".")[2] == "state"):
+                        writes.append(f"{path}:{node.lineno}: {ast.unparse(a)}")
+    assert not writes, "StepState fields assigned outside dpool/step/state.py:\n" + "\n".join(writes)
+
+
+def test_a_call_state_is_never_named_state():
+    """``state`` is the step's state (StepState); one forward call's is ``call_state`` (CallState)."""
+    misnamed = []
+    for path, tree in _trees().items():
+        if not (path.startswith("dpool/step/") or path in ("dpool/bridge.py", "dpool/loss.py")):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg) and node.arg == "state" and ast.unparse(node.annotation or node) != "StepState":
+                misnamed.append(f"{path}:{node.lineno}: parameter state")
+            if isinstance(node, ast.Attribute) and node.attr == "state" and path in ("dpool/bridge.py", "dpool/loss.py"):
+                misnamed.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+            if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "state" for t in node.targets)
+                    and ast.unparse(node.value) != "self.state" and not ast.unparse(node.value).startswith("StepState(")):
+                misnamed.append(f"{path}:{node.lineno}: state = {ast.unparse(node.value)}")
+    assert not misnamed, "\n".join(misnamed)
+
+
+def test_no_stage_gets_a_bound_method_of_the_facade():
+    """The stages call each other and CrossNode (its ``synced``), never back into the runtime."""
+    cls = _runtime_class()
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    passed = [f"line {node.lineno}: {ast.unparse(arg)}" for node in ast.walk(cls) if isinstance(node, ast.Call)
+              for arg in [*node.args, *(k.value for k in node.keywords)]
+              if isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "self"
+              and arg.attr in methods and not (isinstance(node.func, ast.Attribute) and node.func.attr == "WeakMethod")
+              and ast.unparse(node.func) != "arm_exit_guard"]
+    assert not passed, f"the runtime passes its own methods down: {passed}"
+
+
+def test_the_facade_file_stays_small():
+    lines = len((ROOT / "dpool" / "step" / "runtime.py").read_text().splitlines())
+    assert lines <= MAX_RUNTIME_FILE_LINES, f"dpool/step/runtime.py has {lines} lines (at most {MAX_RUNTIME_FILE_LINES})"

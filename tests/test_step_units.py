@@ -23,6 +23,10 @@ def _signature(tensors=(torch.zeros(4, 3),), **change):
     return signature(args.pop("spec"), list(tensors), **args)
 
 
+def _plan(key):
+    return Plan(key=key, k=2, splits=[], rg=[], needs=[], gin_sizes=[], diff_idx=[], shapes=[], nbytes=0)
+
+
 def test_the_signature_has_one_entry_per_field_and_equal_forwards_have_equal_signatures():
     assert len(_signature()) == len(FIELDS)
     assert _signature() == _signature(tensors=(torch.ones(4, 3),))  # values are not in it: only what the plan uses
@@ -46,10 +50,10 @@ def test_the_signature_has_one_entry_per_field_and_equal_forwards_have_equal_sig
 def test_a_change_to_any_field_gives_another_signature_that_names_it(field, change):
     plans = Plans({"hits": 0, "rebuilds": 0, "last_rebuild": None})
     first = _signature()
-    plans.keep(Plan(first, 2, [], [], [], [], [], [], 0))
+    plans.keep(_plan(first))
     other = _signature(**change)
     assert other != first and plans.get(other) is None
-    plans.keep(Plan(other, 2, [], [], [], [], [], [], 0))
+    plans.keep(_plan(other))
     assert plans.counts["last_rebuild"] == field and plans.counts["rebuilds"] == 2
 
 
@@ -57,7 +61,7 @@ def test_a_plan_is_reused_only_for_its_own_signature_and_forgotten_at_a_close():
     plans = Plans({"hits": 0, "rebuilds": 0, "last_rebuild": None})
     key = _signature()
     assert plans.get(key) is None
-    plan = Plan(key, 2, [], [], [], [], [], [], 0)
+    plan = _plan(key)
     plans.keep(plan)
     assert plans.counts["last_rebuild"] == "first forward"
     assert plans.get(_signature()) is plan and plans.get(_signature()) is plan and plans.counts["hits"] == 2
@@ -92,12 +96,62 @@ def test_a_forwards_seed_repeats_under_the_same_seed_and_draws_nothing_from_the_
         assert torch.equal(torch.get_rng_state(), before)  # the script's random sequence is its own
         return drawn
 
-    first = seeds(StepState(torch.float32))
+    first = seeds(StepState(torch.float32, 0))
     assert len(set(first)) == 3 and all(0 <= s < 2**62 for s in first)
-    assert seeds(StepState(torch.float32)) == first
+    assert seeds(StepState(torch.float32, 0)) == first
     torch.manual_seed(7)
     torch.rand(1)  # the script drew something: new numbers
-    assert StepState(torch.float32).draw_seed() not in first
+    assert StepState(torch.float32, 0).draw_seed() not in first
+
+
+class _Held:
+    """A held forward as :class:`StepState` sees one (``f``: the forward it holds)."""
+
+    def __init__(self) -> None:
+        self.f = object()
+
+
+def test_the_held_forward_is_deferred_taken_once_and_dropped_only_as_itself():
+    state = StepState(torch.float32, 0)
+    held = _Held()
+    state.defer(held)
+    state.drop_pending(object())  # another forward's drop leaves it
+    assert state.pending is held
+    assert state.take_pending() is held and state.pending is None
+    assert state.take_pending() is None
+    state.defer(held)
+    state.drop_pending(held.f)
+    assert state.pending is None
+    state.defer(held)
+    state.drop_pending()  # (close(): whichever it is)
+    assert state.pending is None
+
+
+def test_a_restart_spends_restarts_and_forgets_what_the_workers_were_sent():
+    state = StepState(torch.float32, 3)
+    state.sent_numerics_values(("float32",))
+    state.sent_backend_flags((True,))
+    state.begin_restart([1], 1)
+    assert (state.restarting, state.restarts_left) == ([1], 2)
+    state.begin_restart([0, 1], 1)  # another worker failed while it ran: one more restart spent
+    assert (state.restarting, state.restarts_left) == ([0, 1], 1)
+    state.forget_sent()
+    state.end_restart()
+    assert (state.restarting, state.sent_numerics, state.sent_flags) == (None, None, None)
+
+
+def test_the_step_counter_advances_with_each_forward_and_new_requires_grad_flags_move_the_slots():
+    state = StepState(torch.float32, 0)
+    assert state.begin_forward([2, 2]) == 1 and state.begin_forward(None) == 2
+    assert (state.progress.step, state.last_rows) == (2, None)
+    assert state.begin_across() == 1 and state.progress.fseq == 1
+    token = state.slots.token()
+    state.sent_requires_grad_flags(b"\x01\x00")
+    assert state.sent_requires_grad == b"\x01\x00" and not state.slots.valid(token)
+    state.hold()
+    assert state.workers_hold
+    state.release()
+    assert not state.workers_hold
 
 
 def test_hints_name_what_a_failure_means_under_dpool():

@@ -27,7 +27,7 @@ from . import require
 from .. import scatter
 from ..devices import DeviceLike, cpu_workers, parse_devices
 from ..errors import UnsupportedError
-from ..wrapper import DataParallel, is_wrapped, unwrap, wrap
+from ..wrapper import DataParallel, is_wrapped, reopen, reopens, unwrap, wrap
 
 __all__ = ["DpoolTrainer", "DpoolTrainerMixin"]
 
@@ -51,10 +51,10 @@ class _Pool:
         if model is None or model.module is not module:
             self.close()
             model = self.model = wrap(module, self.device_ids, **self.options)
-            model._reopens = True
+            reopens(model)
             model.forward = _share_items(model, model.forward)
-        elif model._runtime is None:
-            model._start()
+        else:
+            reopen(model)
         return model
 
     def close(self) -> None:

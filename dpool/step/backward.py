@@ -13,42 +13,37 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .. import hook_gate, protocol as P
-from ..accumulate import HeldGradients, hooked
-from ..bridge import CallState, DoubleBridge, DoubleState, Graphs, Host, keeps_graph
+from ..accumulate import hooked
+from ..bridge import CallState, DoubleBridge, DoubleState, Host, keeps_graph
 from ..errors import ModelChangedError, UnsupportedError
-from ..pool import Pool
 from ..reduce import sum_sparse
 from ..regions import IORegions
-from ..replicate import Master
-from ..scatter import Balancer
-from ..stats import Stats
 from ..tensors import read
 from .deferred import changed_since
-from .follow import Notices
 from .plan import Placements, shapes_of
 from .replicas import ReplicaSet
 from .rounds import Rounds
-from .state import Setup, StepState
+from .parts import StepParts
 
 __all__ = ["Backwards", "params_changed"]
 
 
-def params_changed(state: CallState) -> bool:
-    """Whether a parameter of ``state``'s forward was changed in place since (an ``optimizer.step()``
+def params_changed(call_state: CallState) -> bool:
+    """Whether a parameter of ``call_state``'s forward was changed in place since (an ``optimizer.step()``
     before ``loss.backward()``): the workers' graphs read the parameters' current values."""
-    return any(p._version != v for p, v in zip(state.params, state.versions))
+    return any(p._version != v for p, v in zip(call_state.params, call_state.versions))
 
 
 class Backwards:
     """The backward stage (see the module's docstring)."""
 
-    def __init__(self, setup: Setup, state: StepState, pool: Pool, io: IORegions, graphs: Graphs, stats: Stats,
-                 balancer: Balancer, master: Master, replicas: ReplicaSet, rounds: Rounds, held: HeldGradients,
-                 notices: Notices) -> None:
-        self.setup, self.state, self.pool, self.io, self.graphs = setup, state, pool, io, graphs
-        self.stats, self.balancer, self.master, self.replicas, self.rounds = stats, balancer, master, replicas, rounds
-        self.held, self.notices = held, notices
-        self.gouts = Placements(setup.n)  # each shard's output gradients, where they went last
+    def __init__(self, parts: StepParts, replicas: ReplicaSet, rounds: Rounds) -> None:
+        self.setup, self.state, self.pool, self.io, self.graphs = parts.setup, parts.state, parts.pool, parts.io, \
+            parts.graphs
+        self.stats, self.balancer, self.master, self.replicas, self.rounds = parts.stats, parts.balancer, \
+            parts.master, replicas, rounds
+        self.held, self.notices = parts.held, parts.notices
+        self.gouts = Placements(parts.setup.n)  # each shard's output gradients, where they went last
 
     def holds(self) -> bool:
         """Whether a backward now keeps its parameter gradients on the workers: under ``no_sync()``, unless
@@ -68,18 +63,18 @@ class Backwards:
                 "which only a synchronized backward has. Call the backward outside no_sync(), or remove the hooks.")
         return state.no_sync and not with_hooks
 
-    def run(self, host: Host, state: CallState, grads: Sequence[torch.Tensor | None],
+    def run(self, host: Host, call_state: CallState, grads: Sequence[torch.Tensor | None],
             pieces: list[list[torch.Tensor | None]] | None, param_idx: Sequence[int],
             taken: Sequence[bool | None] | None = None, hold: bool = False) -> list[torch.Tensor | None]:
-        """Backpropagate the call ``state`` on the workers (see :meth:`dpool.step.Runtime.backward`)."""
+        """Backpropagate the call ``call_state`` on the workers (see :meth:`dpool.step.Runtime.backward`)."""
         nodes = self.setup.nodes
         self.rounds.check_usable()
-        if self.graphs.lost(state.call):
+        if self.graphs.lost(call_state.call):
             raise RuntimeError(
                 "the autograd graph of this forward was lost when a dpool worker was restarted; "
                 "run the forward again (the master module is unchanged)"
             )
-        self.check_params(state)
+        self.check_params(call_state)
         create_graph = torch.is_grad_enabled()  # autograd enables grad mode here only for create_graph
         if create_graph and nodes is not None:
             raise UnsupportedError("higher-order gradients (create_graph=True) are not combined across nodes; "
@@ -91,30 +86,28 @@ class Backwards:
             )
         skip = self._skipped(hold, taken, param_idx)
         self.graphs.collect(self.io.release, take=False)  # frees their input spans; told with the next forward
-        per_shard = pieces if pieces is not None else state.grad_pieces(grads)
+        per_shard = pieces if pieces is not None else call_state.grad_pieces(grads)
         keep = self.graphs.new_call() if create_graph else 0
         # the workers free the call's graph as they go where this backward frees its node: the one node of a
         # gathered call, unless a graph of gradients (create_graph) was built on it, which a later backward still
         # runs through. Outputs kept on the workers (gather=False) may have several nodes (losses, gathers) that
         # one backward runs through, a round each: their graph stays until released.
-        state.doubled = state.doubled or create_graph
-        retain = state.doubled or not self.setup.gather_outputs or keeps_graph()
-        if nodes is not None:
-            nodes.step = self.pool.step
-        param_grads, replies = self.round(state.call, state.k, per_shard, state.gin_sizes, keep, hold,
-                                          rows=state.rows, at=state.fseq, skip=skip, retain=retain)
-        input_grads = state.input_grads([replies[s].input_grads for s in range(state.k)])
+        call_state.doubled = call_state.doubled or create_graph
+        retain = call_state.doubled or not self.setup.gather_outputs or keeps_graph()
+        param_grads, replies = self.round(call_state.call, call_state.k, per_shard, call_state.gin_sizes, keep, hold,
+                                          rows=call_state.rows, at=call_state.fseq, skip=skip, retain=retain)
+        input_grads = call_state.input_grads([replies[s].input_grads for s in range(call_state.k)])
         if not hold:
             self.gate_hooks(param_grads, param_idx)
         out = input_grads + [param_grads[i] for i in param_idx]
         if not create_graph:
             return out
         # the gradients' graph lives on the workers as call `keep`; its input regions must outlive it
-        for s in range(state.k):
-            span = self.io.kept(s, state.call)
+        for s in range(call_state.k):
+            span = self.io.kept(s, call_state.call)
             if span is not None:
                 self.io.keep(s, keep, span)
-        double = DoubleState(host, state, keep, per_shard, grads, out)
+        double = DoubleState(host, call_state, keep, per_shard, grads, out)
         results = DoubleBridge.apply(double, *double.inputs)
         if not isinstance(results, tuple):
             results = (results,)
@@ -135,15 +128,15 @@ class Backwards:
                 "no_sync(), or on dpool.unwrap(model); gradients of the inputs only are fine.")
         return [i for i, t in zip(param_idx, taken) if not t]
 
-    def check_params(self, state: CallState) -> None:
+    def check_params(self, call_state: CallState) -> None:
         """Refuse a backward through a forward whose parameters were changed in place since. One process
         raises too, for the parameters its graph saved; the workers' graphs saved views of the shared
         parameters, whose versions this process's in-place operations do not move, and would backpropagate
         with the new values. So the coordinator compares every parameter's version (frozen ones' too: a graph
         may save them) with the forward's; it cannot tell which the graphs saved, so it refuses for any."""
-        if not params_changed(state):
+        if not params_changed(call_state):
             return
-        changed = changed_since(self.master.param_names, self.master.params, state.versions)
+        changed = changed_since(self.master.param_names, self.master.params, call_state.versions)
         raise ModelChangedError(
             f"one of the variables needed for gradient computation has been modified by an inplace operation: "
             f"{changed} of the dpool model changed in place "
@@ -177,7 +170,7 @@ class Backwards:
         msgs: dict[int, P.Message] = {}
         for s in range(k, n):
             sparse = io.segment(s, "sparse")
-            msgs[s] = P.Backward(call=P.HELD_ONLY, step=pool.step, grads=[None, 0], grad_tensors=[],
+            msgs[s] = P.Backward(call=P.HELD_ONLY, step=pool.progress.step, grads=[None, 0], grad_tensors=[],
                                  input_grads=[None, 0], hold=hold,
                                  sparse=sparse.ref() if sparse is not None else [None, 0], keep_as=0,
                                  requires_grad=flags, together=together, drop=drop)
@@ -186,7 +179,7 @@ class Backwards:
                                                  shapes_of(per_shard[s]))
             gin = io.ensure(s, "gin", gin_sizes[s])
             sparse = io.segment(s, "sparse")
-            msgs[s] = P.Backward(call=call, step=pool.step, grads=seg.ref(), grad_tensors=gmetas,
+            msgs[s] = P.Backward(call=call, step=pool.progress.step, grads=seg.ref(), grad_tensors=gmetas,
                                  input_grads=gin.ref(), hold=hold,
                                  sparse=sparse.ref() if sparse is not None else [None, 0], keep_as=keep,
                                  requires_grad=flags, together=together, drop=drop, retain_graph=retain)
@@ -218,7 +211,7 @@ class Backwards:
         state.slots.bump("backward")  # the slots are written from here on, whatever the outcome
         holding = hold or state.workers_hold
         if hold:
-            state.workers_hold = True
+            state.hold()
         slots = [self.replicas.memory.grad_slots[s] for s in range(n)]
         assert self.replicas.reducer is not None
         # the reducer may start combining while the workers still run (cross-node buckets)
@@ -230,7 +223,7 @@ class Backwards:
                 # Some workers may have added their part of this backward to the gradients they hold (the
                 # others failed, or never ran it): those sums are the master's no longer, until dropped.
                 self.held.failed(self.setup.module, params, flags,
-                                 f"the backward at step {pool.step} failed ({type(exc).__name__})")
+                                 f"the backward at step {pool.progress.step} failed ({type(exc).__name__})")
             raise
         self.stats.backward([replies[s].busy for s in range(k)],
                             sum(g.numel() * g.element_size() for ms in per_shard for g in ms
@@ -271,7 +264,7 @@ class Backwards:
         then sparse gradients."""
         params = self.master.params
         assert self.replicas.reducer is not None
-        self.state.workers_hold = False
+        self.state.release()
         self.held.release(params)
         param_grads = self.replicas.reducer.reduce(slots, [replies[s].param_mask for s in range(n)], at,
                                                    any(replies[s].late for s in range(n)))
@@ -309,11 +302,11 @@ class Backwards:
         self.rounds.check_usable()
         if self.graphs.lost(double.call):
             raise RuntimeError("the graph of these gradients was lost when a dpool worker was restarted")
-        self.check_params(double.state)
+        self.check_params(double.call_state)
         per_shard, gin_sizes = double.pieces(vs)
         param_grads, replies = self.round(double.call, double.k, per_shard, gin_sizes, 0, False)
         return double.results([replies[s].input_grads for s in range(double.k)],
-                              [param_grads[i] for i in double.state.diff_idx])
+                              [param_grads[i] for i in double.call_state.diff_idx])
 
 
 def _at_start(io: IORegions, s: int, role: str, need: int) -> tuple[Any, int]:

@@ -26,23 +26,21 @@ each of them at every point.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
 from .. import protocol as P
-from ..bridge import Graphs, Host
+from ..bridge import Host
 from ..errors import ModelChangedError
-from ..replicate import Master
-from ..stats import Stats
 from .forward import EARLIER_FORWARD, Forwards, Pending, Planned
 from .hints import names
+from .parts import StepParts
 from .rounds import Rounds
-from .state import StepState
 
 __all__ = ["Deferred", "changed_since"]
 
-Synced = Callable[[Callable[[], Any]], Any]  # runs a call that takes part in the nodes' collectives
+_T = TypeVar("_T")
 
 
 def changed_since(param_names: Sequence[str], params: Sequence[torch.Tensor], versions: Sequence[int]) -> str:
@@ -57,22 +55,21 @@ def changed_since(param_names: Sequence[str], params: Sequence[torch.Tensor], ve
 class Deferred:
     """Running, checking and dropping the held forward (see the module's docstring)."""
 
-    def __init__(self, state: StepState, graphs: Graphs, stats: Stats, master: Master, rounds: Rounds,
-                 forwards: Forwards) -> None:
-        self.state, self.graphs, self.stats, self.master = state, graphs, stats, master
+    def __init__(self, parts: StepParts, rounds: Rounds, forwards: Forwards) -> None:
+        self.state, self.graphs, self.stats, self.master = parts.state, parts.graphs, parts.stats, parts.master
         self.rounds, self.forwards = rounds, forwards
 
     @staticmethod
-    def synced(f: Planned, synced: Synced, run: Callable[[], Any]) -> Any:
+    def synced(f: Planned, run: Callable[[], _T]) -> _T:
         """Run a step of the deferred forward ``f``: a failure of a cross-node training forward ends this node's
         part in the job wherever the forward runs, as it does in ``model(x)``."""
-        return run() if f.nodes is None else synced(run)
+        return run() if f.nodes is None else f.nodes.synced(run)
 
-    def run(self, host: Host, synced: Synced) -> None:
+    def run(self, host: Host) -> None:
         """Run the deferred forward in a round of its own."""
         pending = self.state.pending
         assert pending is not None
-        self.synced(pending.f, synced, lambda: self._run_alone(host))
+        self.synced(pending.f, lambda: self._run_alone(host))
 
     def _run_alone(self, host: Host) -> None:
         pending = self.state.pending
@@ -81,10 +78,10 @@ class Deferred:
         if refused is not None:  # its output, if anything still holds it, raises this when it is used
             handle = pending.f.output()
             if handle is not None:
-                handle._state.refused = refused
+                handle.call_state.refused = refused
             return
         try:
-            self.state.pending = None
+            self.state.take_pending()
             self.forwards.finish(host, pending.f, self.rounds.request(pending.msgs, "running forward"),
                                  EARLIER_FORWARD)
         except BaseException:
@@ -126,7 +123,7 @@ class Deferred:
         forward: dict[int, Any] = {}
         loss: dict[int, Any] = {}
         try:
-            self.state.pending = None
+            self.state.take_pending()
             both = {s: P.ForwardCriterion(forward=P.values_of(pending.msgs[s]), criterion=P.values_of(m),
                                           together=m.together)  # type: ignore[attr-defined]
                     for s, m in msgs.items()}

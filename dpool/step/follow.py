@@ -127,7 +127,7 @@ def follow_numerics(state: StepState, call_all: Callable[[Any], Any]) -> None:
     values = numerics()
     if values != state.sent_numerics:
         call_all(functools.partial(apply_numerics, values, legacy=legacy_precision()))
-        state.sent_numerics = values
+        state.sent_numerics_values(values)
 
 
 def follow_backend_flags(state: StepState, call_all: Callable[[Any], Any]) -> None:
@@ -135,4 +135,4 @@ def follow_backend_flags(state: StepState, call_all: Callable[[Any], Any]) -> No
     flags = backend_flags()
     if flags != state.sent_flags:
         call_all(functools.partial(apply_backend_flags, flags))
-        state.sent_flags = flags
+        state.sent_backend_flags(flags)

@@ -18,23 +18,18 @@ from typing import Any, Callable
 import torch
 
 from .. import gather as _gather, hook_gate, protocol as P, scatter as _scatter, tree as _tree
-from ..bridge import Bridge, CallState, Graphs, Host
-from ..config import Config
+from ..bridge import Bridge, CallState, Host
 from ..crossnode import FORWARD
 from ..errors import ModelChangedError
+from ..policies import forward_with_loss
 from ..loss import ShardedOutput
-from ..pool import Pool
-from ..regions import IORegions
-from ..replicate import Master
-from ..stats import Stats
 from ..tensors import DTYPES, dtype_name, meta_nbytes, nbytes
 from ..transport.shm import check_free
 from . import follow, plan as _plan
-from .follow import Notices
 from .plan import Plan, Plans
 from .replicas import ReplicaSet
 from .rounds import Rounds
-from .state import Setup, StepState
+from .parts import StepParts
 
 __all__ = ["Forwards", "Planned", "Unrun", "Pending", "EARLIER_FORWARD"]
 
@@ -100,19 +95,21 @@ class Pending:
 class Forwards:
     """The forward stage (see the module's docstring)."""
 
-    def __init__(self, setup: Setup, state: StepState, config: Config, pool: Pool, io: IORegions, graphs: Graphs,
-                 stats: Stats, balancer: _scatter.Balancer, master: Master, replicas: ReplicaSet, rounds: Rounds,
-                 notices: Notices, defer: bool) -> None:
-        self.setup, self.state, self.config, self.pool, self.io, self.graphs = setup, state, config, pool, io, graphs
-        self.stats, self.balancer, self.master, self.replicas, self.rounds = stats, balancer, master, replicas, rounds
-        self.notices, self.defer = notices, defer
-        self.plans = Plans(stats.plan)  # the latest step plan (dpool.step.plan)
+    def __init__(self, parts: StepParts, replicas: ReplicaSet, rounds: Rounds) -> None:
+        self.setup, self.state, self.config, self.pool, self.io, self.graphs = parts.setup, parts.state, \
+            parts.config, parts.pool, parts.io, parts.graphs
+        self.stats, self.balancer, self.master, self.replicas, self.rounds = parts.stats, parts.balancer, \
+            parts.master, replicas, rounds
+        self.notices = parts.notices
+        self.defer = forward_with_loss()  # (DPOOL_FORWARD_WITH_LOSS; see dpool.step.deferred)
+        self.plans = Plans(parts.stats.plan)  # the latest step plan (dpool.step.plan)
         self._rank0_buffers: torch.Tensor | None = None  # cross-node, buffers="first": staging for the broadcast
 
-    def run(self, host: Host, args: tuple, kwargs: dict, synced: bool, call_all: Callable[[Any], Any]) -> Any:
-        """``model(x)``: the gathered output, or (``gather=False``) a :class:`ShardedOutput`."""
-        setup, state, pool, io = self.setup, self.state, self.pool, self.io
-        self._follow(call_all)
+    def run(self, host: Host, args: tuple, kwargs: dict, synced: bool) -> Any:
+        """``model(x)``: the gathered output, or (``gather=False``) a :class:`ShardedOutput`. ``synced``: it takes
+        part in the nodes' collectives (a cross-node training forward)."""
+        setup, state, io = self.setup, self.state, self.io
+        self._follow()
         tensors: list[torch.Tensor] = []
         spec = _tree.flatten((tuple(args), dict(kwargs)), tensors)
         if follow.in_dual_level():
@@ -120,9 +117,8 @@ class Forwards:
         grad = torch.is_grad_enabled()
         flags = self._flags()
         plan, shards = self._plan(spec, tensors, grad, flags, synced)
-        state.last_rows = next((sizes for sizes in plan.splits if sizes is not None), None)
         call = self.graphs.new_call()
-        pool.step += 1
+        state.begin_forward(next((sizes for sizes in plan.splits if sizes is not None), None))
         nodes = setup.nodes if synced else None
         if nodes is not None:
             self._begin_across(nodes)
@@ -131,7 +127,7 @@ class Forwards:
         self._reserve(f)
         if setup.cuda:
             self.replicas.push()
-        together = pool.together(f.k)  # reply together ([] unless the pool asks for it, see Pool.together)
+        together = self.pool.together(f.k)  # reply together ([] unless the pool asks for it, see Pool.together)
         try:
             # Calls collected here must reach the workers with this request, or be released again (every
             # path out of here that may not have told every worker does), or the workers keep their graphs.
@@ -150,7 +146,7 @@ class Forwards:
                 f.versions = [p._version for p in self.master.params]
                 handle = ShardedOutput(host, Unrun(f), None, f.diff_inputs())
                 f.handle = weakref.ref(handle)
-                state.pending = Pending(msgs, f)
+                state.defer(Pending(msgs, f))
                 return handle
             return self.finish(host, f, self.rounds.request(msgs, "running forward"))
         except BaseException:
@@ -159,7 +155,7 @@ class Forwards:
             self.failed(f)
             raise
 
-    def _follow(self, call_all: Callable[[Any], Any]) -> None:
+    def _follow(self) -> None:
         """Before a forward: the pool usable, and the workers following this process's model and settings."""
         master = self.master
         self.rounds.check_usable()
@@ -169,9 +165,9 @@ class Forwards:
         relaid = master.check_bindings()
         if relaid:
             self.notices.relaid(relaid)
-        follow.follow_numerics(self.state, call_all)
+        follow.follow_numerics(self.state, self.rounds.call_all)
         if self.setup.cuda:
-            follow.follow_backend_flags(self.state, call_all)
+            follow.follow_backend_flags(self.state, self.rounds.call_all)
 
     def _plan(self, spec: Any, tensors: list[torch.Tensor], grad: bool, flags: tuple,
               synced: bool) -> tuple[Plan, list[list[torch.Tensor]]]:
@@ -189,10 +185,11 @@ class Forwards:
         shards = _scatter.shard_views(tensors, splits, k, setup.dim)
         rg = [grad and t.requires_grad for t in tensors]
         params = self.master.params
-        plan = Plan(key, k, splits, rg, [_plan.need(shards[s]) for s in range(k)],
-                    [_plan.need([t for t, r in zip(shards[s], rg) if r]) for s in range(k)],
-                    [i for i, p in enumerate(params) if p.requires_grad] if grad else [],
-                    [[t.shape for t in shards[s]] for s in range(k)], sum(nbytes(t) for sh in shards for t in sh))
+        plan = Plan(key=key, k=k, splits=splits, rg=rg, needs=[_plan.need(shards[s]) for s in range(k)],
+                    gin_sizes=[_plan.need([t for t, r in zip(shards[s], rg) if r]) for s in range(k)],
+                    diff_idx=[i for i, p in enumerate(params) if p.requires_grad] if grad else [],
+                    shapes=[[t.shape for t in shards[s]] for s in range(k)],
+                    nbytes=sum(nbytes(t) for sh in shards for t in sh))
         self.plans.keep(plan)
         return plan, shards
 
@@ -204,8 +201,7 @@ class Forwards:
         if requires_grad != state.sent_requires_grad:  # the workers zero the slots of newly frozen parameters
             if state.workers_hold:
                 self.replicas.held.refuse_frozen(params)
-            state.slots.bump("requires_grad changed")
-            state.sent_requires_grad = requires_grad
+            state.sent_requires_grad_flags(requires_grad)
         autocast = None
         kind = self.setup.device.type  # autocast of the workers' device type ("cuda" or "cpu")
         if torch.is_autocast_enabled(kind):
@@ -215,10 +211,9 @@ class Forwards:
     def _begin_across(self, nodes: Any) -> None:
         """Cross-node: the nodes agree on where they are; then rank 0's buffers (DDP's broadcast_buffers)."""
         replicas = self.replicas
-        nodes.step = self.pool.step
-        nodes.fseq += 1
+        fseq = self.state.begin_across()
         if replicas.forward_collectives:  # none for a model without buffers or SyncBatchNorm
-            nodes.header(FORWARD, nodes.fseq)
+            nodes.header(FORWARD, fseq)
         mine = replicas.memory.master_buffers
         if self.setup.buffer_policy == "first" and mine is not None:
             # into a staging copy (made once per layout): a failed broadcast leaves the master as it was
@@ -254,7 +249,7 @@ class Forwards:
             metas, seg, start, need = inputs.place(s, f.shards[s], functools.partial(io.input_region, s), (), f.rg)
             f.spans.append((seg, start, start + need))
             out = io.ensure(s, "out", 0)
-            msgs[s] = P.Forward(call=f.call, step=self.pool.step, grad=f.grad, training=training,
+            msgs[s] = P.Forward(call=f.call, step=self.pool.progress.step, grad=f.grad, training=training,
                                 requires_grad=requires_grad, sync_buffers=sync_buffers, inputs=seg.ref(),
                                 outputs=out.ref(), tree=spec, tensors=metas, shard=s, world=world,
                                 keep=not setup.gather_outputs, autocast=autocast, release=release, seed=seed,
@@ -273,8 +268,7 @@ class Forwards:
         self.graphs.retell()  # the calls its messages would have told the workers to release
         self.io.release(f.call)
         self.graphs.release(f.call)
-        if self.state.pending is not None and self.state.pending.f is f:
-            self.state.pending = None
+        self.state.drop_pending(f)
 
     def failed(self, f: Planned) -> None:
         """A forward's round or what follows it failed or was cut short (Ctrl-C): until its call is tracked,
@@ -299,15 +293,15 @@ class Forwards:
             for s, r in fetched.items():
                 replies[s].tensors = r.tensors
         specs = [replies[s].tree for s in range(f.k)]
-        state = self._call_state(host, f, replies)
-        gathered, handle = self._gather_or_keep(host, f, state, specs)
-        state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
+        call_state = self._call_state(host, f, replies)
+        gathered, handle = self._gather_or_keep(host, f, call_state, specs)
+        call_state.outs = None  # read by the gather above; a later gather (gather=False) maps them anew
         rows = f.rows()
-        self._commit(f, replies, rows, state.metas)
-        state.rows = rows
+        self._commit(f, replies, rows, call_state.metas)
+        call_state.rows = rows
         if gathered is None:
             # what a deferred forward's loss predicts from: this forward's output dtype and shapes
-            self.state.last_out = (loss_dtype(state.metas), out_shapes(state.metas, specs), rows)
+            self.state.kept_outputs(loss_dtype(call_state.metas), out_shapes(call_state.metas, specs), rows)
             return handle
         return _gather.build(specs, iter(gathered))
 
@@ -317,13 +311,13 @@ class Forwards:
             host, f.call, f.k, _gather.tensor_groups([replies[s].tree for s in range(f.k)]),
             [replies[s].tensors for s in range(f.k)], [self.io.segment(s, "out") for s in range(f.k)], f.splits,
             f.gin_sizes, f.rg, f.plan.shapes,
-            fseq=self.setup.nodes.fseq if self.setup.nodes is not None else 0,  # the forward its backward names
+            fseq=self.state.progress.fseq if self.setup.nodes is not None else 0,  # the forward its backward names
             diff_inputs=f.diff_inputs(), diff_idx=f.plan.diff_idx, params=params,  # (what a double backward
             # differentiates)
             versions=f.versions if f.versions is not None else [p._version for p in params] if f.grad else [],
         )
 
-    def _gather_or_keep(self, host: Host, f: Planned, state: CallState,
+    def _gather_or_keep(self, host: Host, f: Planned, call_state: CallState,
                         specs: list) -> tuple[Any, ShardedOutput | None]:
         """The gathered outputs (through the autograd bridge when they are differentiable), or ``None`` and
         the :class:`ShardedOutput` of outputs kept on the workers (``gather=False``)."""
@@ -331,24 +325,24 @@ class Forwards:
         if not self.setup.gather_outputs:  # outputs stay on the workers until a criterion or .gather()
             handle = f.output()
             if handle is None:  # (a deferred forward whose output nothing holds: it runs all the same)
-                handle = ShardedOutput(host, state, specs, state.diff_inputs)
-            handle._state, handle._specs = state, specs  # (a deferred forward's handle: filled in now)
+                handle = ShardedOutput(host, call_state, specs, call_state.diff_inputs)
+            handle.call_state, handle.specs = call_state, specs  # (a deferred forward's handle: filled in now)
             graphs.track(f.call, handle)
             for s in range(f.k):
                 io.keep(s, f.call, f.spans[s])
             return None, handle
-        if f.grad and any(state.differentiable):
-            gathered = Bridge.apply(state, state.diff_idx, *state.diff_inputs, *state.diff_params)
+        if f.grad and any(call_state.differentiable):
+            gathered = Bridge.apply(call_state, call_state.diff_idx, *call_state.diff_inputs, *call_state.diff_params)
             if not isinstance(gathered, tuple):
                 gathered = (gathered,)
-            graphs.track(f.call, state.ctx)
+            graphs.track(f.call, call_state.ctx)
             for s in range(f.k):
                 io.keep(s, f.call, f.spans[s])
-            state.ctx = None
+            call_state.ctx = None
             return gathered, None
         if f.grad:
             graphs.release(f.call)
-        return state.gather(), None
+        return call_state.gather(), None
 
     def _commit(self, f: Planned, replies: dict[int, Any], rows: list[int], out_metas: list) -> None:
         """Every shard succeeded: count the round, and let its buffer updates reach the master (buffers.py)."""
@@ -357,7 +351,7 @@ class Forwards:
         self.stats.forward(rows, busy, f.plan.nbytes,
                            sum(meta_nbytes(m) for ms in out_metas for m in ms) if self.setup.gather_outputs else 0)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d: forward of %d shards (rows %s), workers busy %s ms", self.pool.step, k, rows,
+            log.debug("step %d: forward of %d shards (rows %s), workers busy %s ms", self.pool.progress.step, k, rows,
                       [round(b * 1e3, 2) for b in busy])
         self.balancer.observe(0, busy, rows)
         if any(replies[s].attributes for s in range(k)):

@@ -14,22 +14,17 @@ from typing import Any, Sequence
 import torch
 
 from .. import protocol as P, scatter as _scatter, tree as _tree
-from ..bridge import Bridge, CallState, Graphs, Host
+from ..bridge import Bridge, CallState, Host
 from ..errors import DpoolValueError
 from ..loss import build_output, combine, predict_seed
-from ..pool import Pool
-from ..regions import IORegions
-from ..replicate import Master
-from ..scatter import Balancer
-from ..stats import Stats
 from ..tensors import dtype_name, meta_nbytes
 from .backward import Backwards, params_changed
-from .deferred import Deferred, Synced
+from .deferred import Deferred
 from .forward import Forwards, Unrun, loss_dtype, out_shapes
 from .plan import Placements, shapes_of
 from .replicas import ReplicaSet
 from .rounds import Rounds
-from .state import Setup, StepState
+from .parts import StepParts
 
 __all__ = ["LossRound"]
 
@@ -39,38 +34,39 @@ _GONE = "the outputs of this forward are no longer on the workers (released or r
 class LossRound:
     """The criterion round and what follows from it (see the module's docstring)."""
 
-    def __init__(self, setup: Setup, state: StepState, pool: Pool, io: IORegions, graphs: Graphs, stats: Stats,
-                 balancer: Balancer, master: Master, replicas: ReplicaSet, rounds: Rounds, forwards: Forwards,
+    def __init__(self, parts: StepParts, replicas: ReplicaSet, rounds: Rounds, forwards: Forwards,
                  deferred: Deferred, backwards: Backwards) -> None:
-        self.setup, self.state, self.pool, self.io, self.graphs = setup, state, pool, io, graphs
-        self.stats, self.balancer, self.master, self.replicas, self.rounds = stats, balancer, master, replicas, rounds
+        self.setup, self.state, self.pool, self.io, self.graphs = parts.setup, parts.state, parts.pool, parts.io, \
+            parts.graphs
+        self.stats, self.balancer, self.master, self.replicas, self.rounds = parts.stats, parts.balancer, \
+            parts.master, replicas, rounds
         self.forwards, self.deferred, self.backwards = forwards, deferred, backwards
-        self.targets = Placements(setup.n)  # each shard's targets, where they went last
+        self.targets = Placements(parts.setup.n)  # each shard's targets, where they went last
 
-    def criterion(self, host: Host, handle: Any, crit: Any, targets: tuple, synced: Synced) -> torch.Tensor:
+    def criterion(self, host: Host, handle: Any, crit: Any, targets: tuple) -> torch.Tensor:
         """Compute ``crit`` on every shard of ``handle``; the full-batch loss (see :meth:`dpool.step.Runtime.criterion`)."""
-        state = handle._state
+        call_state = handle.call_state
         pending = self.state.pending
         if pending is not None and pending.f.output() is not handle:
-            self.deferred.run(host, synced)  # (another forward's: it runs first, in its own round)
+            self.deferred.run(host)  # (another forward's: it runs first, in its own round)
             pending = None
         if pending is not None:  # the forward and this loss go to the workers together
-            self.deferred.synced(pending.f, synced, functools.partial(self.deferred.refuse_changed, pending.f))
+            self.deferred.synced(pending.f, functools.partial(self.deferred.refuse_changed, pending.f))
         else:
             self.rounds.check_usable()
-            if isinstance(state, Unrun):
-                state.check()
+            if isinstance(call_state, Unrun):
+                call_state.check()
         fn = crit.payload()  # (the loss may have changed since the last step)
-        if pending is None and not self.graphs.kept(state.call):
+        if pending is None and not self.graphs.kept(call_state.call):
             raise RuntimeError(_GONE)
         tensors: list[torch.Tensor] = []
         spec = _tree.flatten(tuple(targets), tensors)
-        k, rows = state.k, state.rows
+        k, rows = call_state.k, call_state.rows
         shards = self._target_shards(tensors, k, rows)
         if pending is None:
-            dtype = loss_dtype(state.metas)
-            shapes = out_shapes(state.metas, handle._specs)
-            differentiable = any(state.differentiable)
+            dtype = loss_dtype(call_state.metas)
+            shapes = out_shapes(call_state.metas, handle.specs)
+            differentiable = any(call_state.differentiable)
         else:  # the forward has not run: the previous forward's, checked against this one's once it ran
             dtype, last_shapes, last_rows = self.state.last_out
             shapes = last_shapes if last_rows == rows else [None] * k
@@ -78,7 +74,7 @@ class LossRound:
         params = self.master.params
         param_idx = [i for i, p in enumerate(params) if p.requires_grad]  # the loss's autograd inputs
         guess = None
-        if (crit.backward_with_loss and torch.is_grad_enabled() and (handle._diff_inputs or param_idx)
+        if (crit.backward_with_loss and torch.is_grad_enabled() and (handle.diff_inputs or param_idx)
                 and differentiable):
             guess = predict_seed(crit, tuple(targets),
                                  lambda: [_tree.unflatten(spec, sh.__getitem__) for sh in shards],
@@ -89,7 +85,7 @@ class LossRound:
             self.state.slots.bump("speculative backward")  # the workers write their slots in this round
         together = self.pool.together(k)
         try:
-            msgs, spans = self._messages(state, fn, spec, shards, guess if speculate else None, dtype, flags,
+            msgs, spans = self._messages(call_state, fn, spec, shards, guess if speculate else None, dtype, flags,
                                          together)
         except BaseException:
             self.rounds.unsent()
@@ -97,12 +93,11 @@ class LossRound:
                 self.forwards.drop(pending.f)
             raise
         for s, span in enumerate(spans):  # the loss graph may save the targets: kept until the call is released
-            self.io.keep(s, (state.call, "targets", id(span[0]), span[1]), span)
+            self.io.keep(s, (call_state.call, "targets", id(span[0]), span[1]), span)
         if pending is not None:
-            replies = self.deferred.synced(pending.f, synced,
-                                           lambda: self.deferred.forward_and_loss(host, pending, msgs))
-            state = handle._state
-            real = loss_dtype(state.metas)
+            replies = self.deferred.synced(pending.f, lambda: self.deferred.forward_and_loss(host, pending, msgs))
+            call_state = handle.call_state
+            real = loss_dtype(call_state.metas)
             if real != dtype:  # predicted from the previous forward: a guess made with it cannot be used
                 dtype, guess = real, None
         else:
@@ -129,14 +124,11 @@ class LossRound:
 
     def _speculates(self, crit: Any, guess: Any) -> bool:
         """Whether the workers run the loss's backward in its round."""
-        last = crit._last
-        if last is not None and not last.settled:  # the previous loss of this criterion was never backpropagated
-            crit._speculate = False
-        state = self.state
-        return (guess is not None and crit._speculate and self.replicas.speculable and not self.setup.cuda
+        state, allowed = self.state, crit.speculation.allows()
+        return (guess is not None and allowed and self.replicas.speculable and not self.setup.cuda
                 and not state.no_sync and not state.workers_hold)
 
-    def _messages(self, state: Any, fn: bytes, spec: Any, shards: list[list[Any]], guess: Any,
+    def _messages(self, call_state: Any, fn: bytes, spec: Any, shards: list[list[Any]], guess: Any,
                   dtype: torch.dtype, flags: bytes, together: list) -> tuple[dict[int, P.Message], list]:
         """Each shard's targets placed after its inputs, and its message (with the speculated seed); the
         targets' spans."""
@@ -144,13 +136,13 @@ class LossRound:
         seed, seed_dtype = (guess.seed, dtype_name(dtype)) if guess is not None else (b"", "")
         msgs: dict[int, P.Message] = {}
         spans = []
-        for s in range(state.k):
+        for s in range(call_state.k):
             metas, seg, start, need = self.targets.place(s, shards[s], functools.partial(io.input_region, s),
                                                          shapes_of(shards[s]))
             spans.append((seg, start, start + need))
-            gin = io.ensure(s, "gin", state.gin_sizes[s]).ref() if guess is not None else [None, 0]
-            msgs[s] = P.Criterion(call=state.call, fn=fn, tree=spec, tensors=metas, inputs=seg.ref(), seed=seed,
-                                  seed_dtype=seed_dtype, input_grads=gin, step=pool.step, requires_grad=flags,
+            gin = io.ensure(s, "gin", call_state.gin_sizes[s]).ref() if guess is not None else [None, 0]
+            msgs[s] = P.Criterion(call=call_state.call, fn=fn, tree=spec, tensors=metas, inputs=seg.ref(), seed=seed,
+                                  seed_dtype=seed_dtype, input_grads=gin, step=pool.progress.step, requires_grad=flags,
                                   together=together)
         return msgs, spans
 
@@ -158,69 +150,61 @@ class LossRound:
         """Record whether the speculative backward ran, and with the denominators predicted (the seed depends
         on them): only then may ``loss.backward()`` use it."""
         matched = guess.matches([r.denom for r in done])
-        if not matched:  # predicted with every target counted (target_count): count them from now on
-            crit._count_ignored = True
         ran = speculate and all(r.backward for r in done) and matched
-        guess.gen = self.state.slots.token() if ran else -1
-        guess.replies = done if ran else None
-        guess.flags = flags
-        crit._last = guess
+        crit.speculation.settle(guess, matched, self.state.slots.token() if ran else None, done, flags)
 
-    def backward_speculated(self, state: CallState, guess: Any, hit: bool, crit: Any,
+    def backward_speculated(self, call_state: CallState, guess: Any, hit: bool, crit: Any,
                             param_idx: Sequence[int]) -> list[torch.Tensor | None] | None:
         """The gradients of a criterion's loss whose backward the workers ran with it, or ``None``: run the
         backward round instead (see :meth:`dpool.step.Runtime.backward_speculated`)."""
         self.rounds.check_usable()  # (first: finishing a cut restart changes the slots and loses the graphs)
-        guess.settled = True
-        crit._speculate = hit  # a miss (a scaled loss, GradScaler) turns speculation off until a would-be hit
+        crit.speculation.backpropagated(guess, hit)
         params = self.master.params
         if (not hit or guess.replies is None or not self.state.slots.valid(guess.gen) or self.state.no_sync
-                or torch.is_grad_enabled() or self.graphs.lost(state.call) or params_changed(state)
+                or torch.is_grad_enabled() or self.graphs.lost(call_state.call) or params_changed(call_state)
                 or guess.flags != bytes(p.requires_grad for p in params)):
             return None
         replies = guess.replies
-        k = state.k
-        if self.setup.nodes is not None:
-            self.setup.nodes.step = self.pool.step
+        k = call_state.k
         replicas = self.replicas
         assert replicas.reducer is not None
         param_grads = replicas.reducer.reduce([replicas.memory.grad_slots[s] for s in range(k)],
-                                              [r.param_mask for r in replies], state.fseq)
-        self.backwards.commit_buffers(self.backwards.changed_buffers(replies), k, state.rows)
+                                              [r.param_mask for r in replies], call_state.fseq)
+        self.backwards.commit_buffers(self.backwards.changed_buffers(replies), k, call_state.rows)
         self.state.slots.bump("speculative backward used")
         busy = [r.busy for r in replies]
         self.stats.backward(busy, k * guess.dtype.itemsize,
                             sum(end - start for _, start, end, _ in replicas.layout.param_groups) * k)
         self.stats.backward_rounds_saved += 1
         self.stats.no_round("backward")
-        self.balancer.observe(1, busy, state.rows)
-        input_grads = state.input_grads([r.input_grads for r in replies])
+        self.balancer.observe(1, busy, call_state.rows)
+        input_grads = call_state.input_grads([r.input_grads for r in replies])
         self.backwards.gate_hooks(param_grads, param_idx)
         return input_grads + [param_grads[i] for i in param_idx]
 
     def gather_kept(self, handle: Any) -> Any:
         """Gather outputs kept on the workers, through the autograd bridge."""
-        state = handle._state
+        call_state = handle.call_state
         self.rounds.check_usable()
-        if isinstance(state, Unrun):
-            state.check()
-        if not self.graphs.kept(state.call):
+        if isinstance(call_state, Unrun):
+            call_state.check()
+        if not self.graphs.kept(call_state.call):
             raise RuntimeError(_GONE)
-        sizes = {s: sum(meta_nbytes(m) for m in state.metas[s]) or 64 for s in range(state.k)}
-        replies = self.rounds.fetch(lambda s, ref: P.Fetch(call=state.call, outputs=ref), "out", sizes,
+        sizes = {s: sum(meta_nbytes(m) for m in call_state.metas[s]) or 64 for s in range(call_state.k)}
+        replies = self.rounds.fetch(lambda s, ref: P.Fetch(call=call_state.call, outputs=ref), "out", sizes,
                                     "returning outputs", "gather")
-        state.metas = [replies[s].tensors for s in range(state.k)]
-        self.stats.bytes["outputs"] += sum(meta_nbytes(m) for ms in state.metas for m in ms)
-        state.outs = [self.io.segment(s, "out") for s in range(state.k)]
+        call_state.metas = [replies[s].tensors for s in range(call_state.k)]
+        self.stats.bytes["outputs"] += sum(meta_nbytes(m) for ms in call_state.metas for m in ms)
+        call_state.outs = [self.io.segment(s, "out") for s in range(call_state.k)]
         params = self.master.params
         idx = [i for i, p in enumerate(params) if p.requires_grad]
-        grad_inputs = handle._diff_inputs + [params[i] for i in idx]
-        if torch.is_grad_enabled() and grad_inputs and any(state.differentiable):
-            gathered = Bridge.apply(state, idx, *grad_inputs)
-            state.ctx.handle = handle  # the gathered output's graph keeps the outputs on the workers alive
-            state.ctx = None
+        grad_inputs = handle.diff_inputs + [params[i] for i in idx]
+        if torch.is_grad_enabled() and grad_inputs and any(call_state.differentiable):
+            gathered = Bridge.apply(call_state, idx, *grad_inputs)
+            call_state.ctx.handle = handle  # the gathered output's graph keeps the outputs on the workers alive
+            call_state.ctx = None
             if not isinstance(gathered, tuple):
                 gathered = (gathered,)
         else:
-            gathered = state.gather()
+            gathered = call_state.gather()
         return build_output(handle, list(gathered))

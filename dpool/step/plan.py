@@ -18,6 +18,7 @@ also keeps the latest placement of each shard's targets and output gradients).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -69,6 +70,7 @@ def signature(spec: Any, tensors: Sequence[torch.Tensor], grad: bool, autocast: 
             None if shares is None else tuple(shares), buffers, no_sync, synced)
 
 
+@dataclass(slots=True, kw_only=True, eq=False)
 class Plan:
     """What a forward of one signature decided, for the next forwards of that signature.
 
@@ -77,20 +79,26 @@ class Plan:
         k: the number of shards.
         splits: per input tensor its shard sizes (``None``: given whole).
         rg: per input tensor, whether it requires grad.
-        layouts: per shard, the bytes its tensors take in its input segment.
+        needs: per shard, the bytes its tensors take in its input segment.
         gin_sizes: per shard, the bytes of its input gradients.
         diff_idx: the parameters the bridge differentiates (none without grad mode).
         shapes: per shard, its tensors' shapes.
         nbytes: the input bytes of every shard together.
     """
 
-    __slots__ = ("key", "k", "splits", "rg", "needs", "gin_sizes", "diff_idx", "shapes", "nbytes", "inputs")
+    key: tuple
+    k: int
+    splits: list
+    rg: list[bool]
+    needs: list[int]
+    gin_sizes: list[int]
+    diff_idx: list[int]
+    shapes: list[list[torch.Size]]
+    nbytes: int
+    inputs: Placements = field(init=False)  # the shards' inputs (their dtypes and shapes are the signature's)
 
-    def __init__(self, key: tuple, k: int, splits: list, rg: list[bool], needs: list[int], gin_sizes: list[int],
-                 diff_idx: list[int], shapes: list[list[torch.Size]], nbytes: int) -> None:
-        self.key, self.k, self.splits, self.rg, self.needs = key, k, splits, rg, needs
-        self.gin_sizes, self.diff_idx, self.shapes, self.nbytes = gin_sizes, diff_idx, shapes, nbytes
-        self.inputs = Placements(k)  # the shards' inputs (their dtypes and shapes are the signature's)
+    def __post_init__(self) -> None:
+        self.inputs = Placements(self.k)
 
 
 class Placements:

@@ -19,23 +19,19 @@ import torch
 
 from .. import patches as _patches
 from .. import protocol as P
-from ..accumulate import HeldGradients, refuse_change
-from ..bridge import Graphs, _user_stacklevel
+from ..accumulate import refuse_change
+from ..bridge import _user_stacklevel
 from ..buffers import BufferCommit
-from ..config import Config
 from ..cpus import physical_cores
 from ..crossnode import CrossNodeReducer
 from ..errors import UnpicklableModelError, WorkerDiedError, WorkerStartError, WorkerTimeoutError
 from ..gpu import check_free_memory
 from ..layout import Layout
-from ..pool import Pool
 from ..reduce import Reducer
-from ..regions import IORegions
 from ..replicate import Master, take_rebound
 from ..sync_batchnorm import synchronizes
-from .follow import Notices
 from .hints import names
-from .state import Setup, StepState
+from .parts import StepParts
 
 __all__ = ["ReplicaSet", "WorkerMemory", "ALIAS_SAME_GPU"]
 
@@ -64,10 +60,11 @@ class WorkerMemory:
 class ReplicaSet:
     """The master's binding and the workers' replicas of it (see the module's docstring)."""
 
-    def __init__(self, setup: Setup, state: StepState, pool: Pool, io: IORegions, master: Master, graphs: Graphs,
-                 held: HeldGradients, notices: Notices, config: Config) -> None:
-        self.setup, self.state, self.pool, self.io, self.master, self.graphs = setup, state, pool, io, master, graphs
-        self.held, self.notices, self.config = held, notices, config
+    def __init__(self, parts: StepParts) -> None:
+        setup = self.setup = parts.setup
+        self.state, self.pool, self.io, self.master, self.graphs = parts.state, parts.pool, parts.io, parts.master, \
+            parts.graphs
+        self.held, self.notices, self.config = parts.held, parts.notices, parts.config
         self.alias = [not setup.cuda or (ALIAS_SAME_GPU and torch.device(d) == setup.device) for d in setup.devices]
         self.memory = WorkerMemory(setup.n)
         self.layout: Layout
@@ -213,7 +210,7 @@ class ReplicaSet:
         it then runs again, whole, at the next call (:meth:`dpool.step.rounds.Rounds.check_usable`)."""
         if self.state.workers_hold:  # their no_sync() gradients are gone: the held sums miss them
             self.held.lost(self.setup.module, self.master.params,
-                           f"worker(s) {indices} were restarted at step {self.pool.step}")
+                           f"worker(s) {indices} were restarted at step {self.pool.progress.step}")
         # Graphs kept by the dead worker are gone: calls made so far can no longer be backpropagated.
         self.graphs.lose_all()
         self.state.slots.bump("restart")  # (first, so that a cut restart leaves no speculative result valid)
@@ -222,10 +219,9 @@ class ReplicaSet:
         for i in indices:
             self._new_memory(i)
             self.io.reset(i)  # (a new process: its I/O segments are made anew)
-        self.state.sent_flags = None  # a new process starts with torch's default numerics settings
-        self.state.sent_numerics = None
+        self.state.forget_sent()  # a new process starts with torch's default numerics settings
         self.init_workers(indices, call, restarting=True)
-        self.state.restarting = None
+        self.state.end_restart()
 
     def _follow_patches(self, indices: Any, call: Call) -> None:
         """Repeat in the workers ``indices`` what this process patched in the model's code at run time
@@ -335,8 +331,8 @@ class ReplicaSet:
 
     def _say_repeated(self, what: str, took: float) -> None:
         """The same attribute changed before every forward: say what it costs, once."""
-        self._resyncs = self._resyncs + 1 if self._resynced_at == self.pool.step else 1
-        self._resynced_at = self.pool.step + 1  # (the forward this re-sync is for)
+        self._resyncs = self._resyncs + 1 if self._resynced_at == self.pool.progress.step else 1
+        self._resynced_at = self.pool.progress.step + 1  # (the forward this re-sync is for)
         if self._resyncs == 3 and what:
             warnings.warn(
                 f"dpool: {what} changed before each of the last 3 forwards. Each change ships the "

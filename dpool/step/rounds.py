@@ -12,15 +12,10 @@ from typing import Any, Callable, Mapping
 import cloudpickle
 
 from .. import protocol as P
-from ..bridge import Graphs
 from ..errors import PoolBrokenError, WorkerDiedError, WorkerStartError, WorkerTimeoutError, remote_error
-from ..pool import Pool
-from ..regions import IORegions
-from ..replicate import Master
-from ..stats import Stats
 from . import hints
 from .replicas import ReplicaSet
-from .state import Setup, StepState
+from .parts import StepParts
 
 __all__ = ["Rounds"]
 
@@ -42,10 +37,10 @@ class _RestartGoesOn(Exception):
 class Rounds:
     """Requests to the workers, with the restart policy and the failures of their replies."""
 
-    def __init__(self, setup: Setup, state: StepState, pool: Pool, io: IORegions, graphs: Graphs, stats: Stats,
-                 master: Master, replicas: ReplicaSet) -> None:
-        self.setup, self.state, self.pool, self.io, self.graphs = setup, state, pool, io, graphs
-        self.stats, self.master, self.replicas = stats, master, replicas
+    def __init__(self, parts: StepParts, replicas: ReplicaSet) -> None:
+        self.setup, self.state, self.pool, self.io, self.graphs = parts.setup, parts.state, parts.pool, parts.io, \
+            parts.graphs
+        self.stats, self.master, self.replicas = parts.stats, parts.master, replicas
 
     def unsent(self) -> None:
         """Building a round's messages failed: forget the segments made for it (no worker will map them)."""
@@ -65,6 +60,12 @@ class Rounds:
         self.pool.unlink_segments()
         self.raise_failures(replies, where)
         return replies
+
+    def call_all(self, fn: Any) -> list[Any]:
+        """Run ``fn(replica)`` in every worker: their results, in worker order."""
+        self.check_usable()
+        self.state.slots.bump("a function ran on the replicas")  # fn may run anything, a backward included
+        return list(self.call(range(self.setup.n), fn).values())
 
     def call(self, indices: Any, fn: Any) -> dict[int, Any]:
         """Run ``fn(replica)`` in the workers ``indices``: their results."""
@@ -105,8 +106,7 @@ class Rounds:
                 pool.break_pool(str(exc))
                 hints.amend(exc, hints.broken())
                 raise
-            state.restarting = dead  # (first: from here on a Ctrl-C leaves the restart to the next call)
-            state.restarts_left -= len(dead)
+            state.begin_restart(dead, len(dead))  # (first: from here on a Ctrl-C leaves it to the next call)
             try:
                 self._restart_after(exc, dead)
             except _RestartGoesOn as later:
@@ -150,10 +150,9 @@ class Rounds:
                                                                    else []))
                 if not failed or state.restarts_left < len(failed):
                     raise
-                state.restarts_left -= len(failed)
-                self.stats.restarts += len(failed)
                 dead = sorted(set(dead) | set(failed))
-                state.restarting = dead
+                state.begin_restart(dead, len(failed))
+                self.stats.restarts += len(failed)
                 log.warning("%s, while restarting; restarting worker(s) %s (%d restart(s) left)",
                             str(again).split("\n", 1)[0], dead, state.restarts_left)
                 if attempt == RESTART_TRIES:
@@ -179,8 +178,8 @@ class Rounds:
             return replies
         w, r = pool.workers[lost[0]], replies[lost[0]]
         also = f" (also worker(s) {lost[1:]})" if len(lost) > 1 else ""
-        raise WorkerDiedError(hints.lost_context(w.where(), also, r, pool.step),
-                              worker=lost[0], device=w.device, pid=w.pid, step=pool.step, workers=lost)
+        raise WorkerDiedError(hints.lost_context(w.where(), also, r, pool.progress.step),
+                              worker=lost[0], device=w.device, pid=w.pid, step=pool.progress.step, workers=lost)
 
     def check_usable(self) -> None:
         """Raise if the pool cannot serve a call; first finish a restart that a Ctrl-C cut short."""
@@ -195,7 +194,7 @@ class Rounds:
                 hints.amend(fault, hints.restart_goes_on(self.state.restarting or dead, self.state.restarts_left))
                 raise fault from None
             except Exception as exc:
-                self.state.restarting = None  # (nothing left to finish: the pool is broken)
+                self.state.end_restart()  # (nothing left to finish: the pool is broken)
                 self.pool.break_pool(f"restarting worker(s) {dead} failed: {exc!r}")
                 raise PoolBrokenError(hints.finish_failed(dead, exc)) from exc
 
@@ -217,4 +216,4 @@ class Rounds:
         # raised without a local name: a local would tie the exception to this frame's locals (the
         # I/O segments among them) in a cycle that only the GC frees
         raise remote_error(r.module, r.qualname, message, r.traceback, worker=i, device=w.device, pid=w.pid,
-                           step=self.pool.step, where=f"{where} (shard {i})")
+                           step=self.pool.progress.step, where=f"{where} (shard {i})")

@@ -24,6 +24,7 @@ stopped, and the process exits past gloo's teardown (the exit guard in :mod:`dpo
 from __future__ import annotations
 
 import functools
+import weakref
 import threading
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -32,12 +33,11 @@ import torch
 from .. import hook_gate
 from ..accumulate import HeldGradients
 from ..bridge import CallState, Graphs
-from ..config import Config
 from ..cpus import bind_threads
 from ..crossnode import CrossNode
 from ..errors import DpoolValueError
 from ..peers import arm_exit_guard
-from ..policies import coordinator_cpus, cuda_async_replies, forward_with_loss, reply_together, wait_spin
+from ..policies import coordinator_cpus, cuda_async_replies, reply_together, wait_spin
 from ..pool import Pool
 from ..regions import IORegions
 from ..replicate import Master
@@ -52,7 +52,8 @@ from .forward import Forwards
 from .loss_round import LossRound
 from .replicas import ReplicaSet
 from .rounds import Rounds
-from .state import Setup, StepState
+from .parts import StepParts
+from .state import Options, Setup, StepState
 
 __all__ = ["Runtime"]
 
@@ -69,7 +70,7 @@ def _one_call_at_a_time(run_deferred_first: bool) -> Callable[[F], F]:
         def locked(self: "Runtime", *args: Any, **kwargs: Any) -> Any:
             with self.call_lock:
                 if run_deferred_first and self.state.pending is not None:
-                    self.deferred.run(self, self._synced)
+                    self.deferred.run(self)
                 return method(self, *args, **kwargs)
 
         return locked  # type: ignore[return-value]
@@ -82,42 +83,39 @@ class Runtime:
 
     Args:
         module: the master module (on ``devices[0]``: the CPU, or the first GPU).
-        devices: one device string per worker (all ``"cpu"`` or all ``"cuda:i"``).
-        dim: scatter/gather dimension.
-        config: limits and timeouts.
-        worker_threads: torch threads per worker.
-        max_restarts, buffers, shard_weights, balance, gather, attach, output_device: as :func:`dpool.wrap`'s.
+        options: the devices (one per worker, all ``"cpu"`` or all ``"cuda:i"``), limits and policies.
         nodes: cross-node mode's view of the other nodes, or ``None``.
     """
 
-    def __init__(self, module: torch.nn.Module, devices: Sequence[str], dim: int, config: Config,
-                 worker_threads: int, max_restarts: int = 0, buffers: str = "first",
-                 shard_weights: Sequence[float] | None = None, balance: str | None = None,
-                 gather: bool = True, attach: str | None = None, output_device: str | None = None,
-                 nodes: CrossNode | None = None) -> None:
-        if attach is not None and max_restarts:
+    def __init__(self, module: torch.nn.Module, options: Options, nodes: CrossNode | None = None) -> None:
+        config, attach, worker_threads = options.config, options.attach, options.worker_threads
+        if attach is not None and options.max_restarts:
             raise DpoolValueError("max_restarts is not available with pool=...: the dpool-workers daemon restarts workers")
-        setup = self.setup = Setup(module, devices, dim, buffers, gather, output_device, nodes)
+        setup = self.setup = Setup(module, options, nodes)
         sweep(config.shm_dir)
         master = self.master = Master(module, setup.device)
         self.graphs = Graphs()
         # see StepState.last_out: before the first forward, the output's dtype is taken to be the parameters'
         state = self.state = StepState(next((p.dtype for p in module.parameters() if p.is_floating_point()),
-                                            torch.get_default_dtype()))
-        state.restarts_left = max_restarts
+                                            torch.get_default_dtype()), options.max_restarts)
+        if nodes is not None:  # (weakly: the runtime is in no cycle)
+            nodes.serve(state.progress, weakref.WeakMethod(self._leave_job))
         self.call_lock = threading.RLock()
         self.stats = Stats(setup.n)
         # Where the coordinator has no core of its own, rounds of several shards ask the workers to reply
         # together (see dpool.protocol.TOGETHER_WAIT_S); never in cross-node mode, whose buckets leave while
         # the workers still run. (Read before the pool exists: a bad DPOOL_REPLY_TOGETHER leaves nothing.)
-        self.pool = pool = Pool(devices, config, worker_threads, attach=attach,
+        self.pool = pool = Pool(setup.devices, config, worker_threads, attach=attach,
                                 reply_together=nodes is None and reply_together(setup.devices, worker_threads),
                                 spin_s=wait_spin(setup.devices), async_replies=cuda_async_replies(setup.devices),
                                 across=None if nodes is None else functools.partial(
-                                    nodes.all_reduce, doing="combining SyncBatchNorm statistics"))
+                                    nodes.all_reduce, doing="combining SyncBatchNorm statistics"),
+                                progress=state.progress)
         self.io = IORegions(setup.n, lambda w, size: pool.new_segment(size, device=setup.devices[w], owner=w))
-        held = HeldGradients(lambda: master.param_names)  # what the loop did to them (accumulate.py)
-        self._wire(config, held, Balancer(setup.n, shard_weights, balance))
+        # (HeldGradients: what the loop did to the gradients the workers hold, see accumulate.py)
+        self._wire(StepParts(setup, state, pool, self.io, self.graphs, self.stats, master, config,
+                             Balancer(setup.n, options.shard_weights, options.balance), Notices(),
+                             HeldGradients(lambda: master.param_names)))
         self._unbind: Callable[[], None] | None = None  # undoes the coordinator's binding (close())
         try:
             self.replicas.start(self.rounds.call)
@@ -129,21 +127,14 @@ class Runtime:
             self.close()
             raise
 
-    def _wire(self, config: Config, held: HeldGradients, balancer: Balancer) -> None:
-        """Make the stages; each gets the parts it uses (none gets the runtime: a runtime in no cycle goes
-        with its last reference)."""
-        setup, state, pool, io, graphs, stats, master = (self.setup, self.state, self.pool, self.io, self.graphs,
-                                                         self.stats, self.master)
-        notices = Notices()
-        replicas = self.replicas = ReplicaSet(setup, state, pool, io, master, graphs, held, notices, config)
-        rounds = self.rounds = Rounds(setup, state, pool, io, graphs, stats, master, replicas)
-        forwards = self.forwards = Forwards(setup, state, config, pool, io, graphs, stats, balancer, master,
-                                            replicas, rounds, notices, defer=forward_with_loss())
-        self.deferred = Deferred(state, graphs, stats, master, rounds, forwards)
-        self.backwards = Backwards(setup, state, pool, io, graphs, stats, balancer, master, replicas, rounds, held,
-                                   notices)
-        self.losses = LossRound(setup, state, pool, io, graphs, stats, balancer, master, replicas, rounds, forwards,
-                                self.deferred, self.backwards)
+    def _wire(self, parts: StepParts) -> None:
+        """Make the stages, each from the parts and the stages it calls (see :mod:`dpool.step.parts`)."""
+        replicas = self.replicas = ReplicaSet(parts)
+        rounds = self.rounds = Rounds(parts, replicas)
+        forwards = self.forwards = Forwards(parts, replicas, rounds)
+        self.deferred = Deferred(parts, rounds, forwards)
+        self.backwards = Backwards(parts, replicas, rounds)
+        self.losses = LossRound(parts, replicas, rounds, forwards, self.deferred, self.backwards)
 
     # ------------------------------------------------------------------ what the bridge and the loss read
     @property
@@ -168,23 +159,16 @@ class Runtime:
 
     @no_sync.setter
     def no_sync(self, value: bool) -> None:
-        self.state.no_sync = value
+        self.state.set_no_sync(value)
 
     @property
     def reducer(self) -> Any:
         return self.replicas.reducer
 
     # ------------------------------------------------------------------ cross-node failures
-    def _synced(self, run: Callable[[], Any]) -> Any:
-        """Run a call that takes part in the nodes' collectives; a failure ends this node's part in the job."""
-        try:
-            return run()
-        except BaseException as exc:
-            self._leave_job(exc)
-            raise
-
     def _leave_job(self, exc: BaseException) -> None:
-        """Tell the other nodes (abort key), stop this node's workers, arm the exit guard."""
+        """A call that took part in the nodes' collectives failed (:meth:`dpool.crossnode.CrossNode.synced`):
+        tell the other nodes (abort key), stop this node's workers, arm the exit guard."""
         nodes = self.setup.nodes
         assert nodes is not None
         nodes.fail(exc)
@@ -199,10 +183,10 @@ class Runtime:
         """``model(*args, **kwargs)`` on the workers (see :mod:`dpool.step.forward`)."""
         if follow.in_transform():
             follow.refuse_transform()
-        if self.setup.nodes is not None and torch.is_grad_enabled() and self.setup.module.training \
-                and not self.state.no_sync:
-            return self._synced(lambda: self.forwards.run(self, args, kwargs, True, self.call_workers))
-        return self.forwards.run(self, args, kwargs, False, self.call_workers)
+        nodes = self.setup.nodes
+        if nodes is not None and torch.is_grad_enabled() and self.setup.module.training and not self.state.no_sync:
+            return nodes.synced(lambda: self.forwards.run(self, args, kwargs, True))
+        return self.forwards.run(self, args, kwargs, False)
 
     @_one_call_at_a_time(run_deferred_first=False)
     def criterion(self, handle: Any, crit: Any, targets: tuple) -> torch.Tensor:
@@ -212,18 +196,19 @@ class Runtime:
         run that backward in the same round (a *speculative* backward): ``loss.backward()`` then finds the
         gradients in the slots and needs no round of its own. See :class:`dpool.loss.Speculation`.
         """
-        return self.losses.criterion(self, handle, crit, targets, self._synced)
+        return self.losses.criterion(self, handle, crit, targets)
 
     @_one_call_at_a_time(run_deferred_first=True)
-    def backward_speculated(self, state: CallState, guess: Any, hit: bool, crit: Any,
+    def backward_speculated(self, call_state: CallState, guess: Any, hit: bool, crit: Any,
                             param_idx: Sequence[int]) -> list[torch.Tensor | None] | None:
         """The gradients of a criterion's loss whose backward the workers ran right after it (see
         :meth:`criterion`), if ``hit`` (this backward's gradient for each shard's loss is bitwise the one
         they used: :meth:`dpool.loss.Speculation.hit`) and their slots still hold the result; ``None``: run
         the backward round instead. In cross-node mode the reduce averages over the nodes, with the same
         collectives the backward round's reduce would make, so ranks that took different paths stay in step."""
-        run = functools.partial(self.losses.backward_speculated, state, guess, hit, crit, param_idx)
-        return self._synced(run) if self.setup.nodes is not None and not self.state.no_sync else run()
+        run = functools.partial(self.losses.backward_speculated, call_state, guess, hit, crit, param_idx)
+        nodes = self.setup.nodes
+        return nodes.synced(run) if nodes is not None and not self.state.no_sync else run()
 
     @_one_call_at_a_time(run_deferred_first=True)
     def gather_kept(self, handle: Any) -> Any:
@@ -231,7 +216,7 @@ class Runtime:
         return self.losses.gather_kept(handle)
 
     @_one_call_at_a_time(run_deferred_first=True)
-    def backward(self, state: CallState, grads: Sequence[torch.Tensor | None],
+    def backward(self, call_state: CallState, grads: Sequence[torch.Tensor | None],
                  pieces: list[list[torch.Tensor | None]] | None = None,
                  param_idx: Sequence[int] = (), taken: Sequence[bool | None] | None = None
                  ) -> list[torch.Tensor | None]:
@@ -246,9 +231,10 @@ class Runtime:
         differentiable: see :class:`dpool.bridge.DoubleBridge`.
         """
         hold = self.backwards.holds()
-        if self.setup.nodes is not None and not self.state.no_sync:
-            return self._synced(lambda: self.backwards.run(self, state, grads, pieces, param_idx, None, False))
-        return self.backwards.run(self, state, grads, pieces, param_idx, taken, hold)
+        nodes = self.setup.nodes
+        if nodes is not None and not self.state.no_sync:
+            return nodes.synced(lambda: self.backwards.run(self, call_state, grads, pieces, param_idx, None, False))
+        return self.backwards.run(self, call_state, grads, pieces, param_idx, taken, hold)
 
     @_one_call_at_a_time(run_deferred_first=True)
     def double_backward(self, double: Any, vs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -259,9 +245,7 @@ class Runtime:
     @_one_call_at_a_time(run_deferred_first=True)
     def call_workers(self, fn: Any) -> list[Any]:
         """Run ``fn(replica)`` in every worker: their results, in worker order."""
-        self.rounds.check_usable()
-        self.state.slots.bump("a function ran on the replicas")  # fn may run anything, a backward included
-        return list(self.rounds.call(range(self.setup.n), fn).values())
+        return self.rounds.call_all(fn)
 
     @_one_call_at_a_time(run_deferred_first=True)
     def inspect(self) -> list[tuple[int, int]]:
@@ -275,7 +259,7 @@ class Runtime:
         by the next one."""
         if self.state.closed:
             return
-        self.state.pending = None  # a deferred forward nothing used: it never runs
+        self.state.drop_pending()  # a deferred forward nothing used: it never runs
         unbind, self._unbind = self.__dict__.get("_unbind"), None
         if unbind is not None:  # the coordinator's threads back where they were before wrap()
             unbind()
@@ -287,7 +271,7 @@ class Runtime:
         if self.setup.nodes is not None:
             self.setup.nodes.close()
         self._drop_shared_memory()
-        self.state.closed = True
+        self.state.close()
 
     def _drop_shared_memory(self) -> None:
         """Drop every reference to shared memory: a graph or output the user still holds keeps this object
