@@ -447,3 +447,13 @@ def test_no_stage_gets_a_bound_method_of_the_facade():
 def test_the_facade_file_stays_small():
     lines = len((ROOT / "dpool" / "step" / "runtime.py").read_text().splitlines())
     assert lines <= MAX_RUNTIME_FILE_LINES, f"dpool/step/runtime.py has {lines} lines (at most {MAX_RUNTIME_FILE_LINES})"
+
+
+def test_one_round_ritual():
+    """Every round ends the same way (:meth:`dpool.step.rounds.Rounds.settle`): the segment names go, then the
+    first failure is raised. Only ``rounds.py`` does it (``pool.py`` owns the segments)."""
+    elsewhere = [f"{path}:{node.lineno}: {ast.unparse(node.func)}" for path, tree in _trees().items()
+                 if path not in ("dpool/step/rounds.py", "dpool/pool.py") for node in ast.walk(tree)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                 and node.func.attr in ("unlink_segments", "raise_failures")]
+    assert not elsewhere, "the round ritual outside dpool/step/rounds.py:\n" + "\n".join(elsewhere)

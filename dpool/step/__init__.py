@@ -43,7 +43,7 @@ CUT_POINTS = (
     _backward.Backwards.check_params, _backward.Backwards.gate_hooks, _backward.Backwards._messages,
     _backward.Backwards.round, _backward.Backwards._send, _backward.Backwards._reduce,
     _backward.Backwards.commit_buffers, _backward.Backwards.changed_buffers, _backward.params_changed,
-    _rounds.Rounds.unsent, _rounds.Rounds.fetch, _rounds.Rounds.call, _rounds.Rounds.call_all, _rounds.Rounds.request,
+    _rounds.Rounds.unsent, _rounds.Rounds.fetch, _rounds.Rounds.settle, _rounds.Rounds.call, _rounds.Rounds.call_all, _rounds.Rounds.request,
     _rounds.Rounds._lost_contexts, _rounds.Rounds.check_usable, _rounds.Rounds.raise_failures,
     _rounds.Rounds._restart_after,
     _replicas.ReplicaSet.push, _replicas.ReplicaSet.commit_rebound, _replicas.ReplicaSet.restart,

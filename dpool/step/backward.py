@@ -245,8 +245,7 @@ class Backwards:
             replies = self.rounds.request(msgs, "running backward")
         finally:
             pool.on_bucket = None
-        pool.unlink_segments()
-        self.rounds.raise_failures(replies, "backward")
+        self.rounds.settle(replies, "backward")
         changed = self.changed_buffers(replies.values())
         self.stats.split_round("backward", pool.sent_at, pool.arrived, replies, k)
         need = {s: r.sparse_need for s, r in replies.items() if r.sparse_need}

@@ -283,8 +283,7 @@ class Forwards:
         callers run :meth:`failed` if it raises (a GatherError, a Ctrl-C before the call is tracked).
         ``where`` names the forward in its workers' errors."""
         pool = self.pool
-        pool.unlink_segments()
-        self.rounds.raise_failures(replies, where)
+        self.rounds.settle(replies, where)
         self.stats.split_round("forward", pool.sent_at, pool.arrived, replies, f.k)
         fetch = {s: r.need for s, r in replies.items() if r.need}
         if fetch:

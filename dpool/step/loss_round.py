@@ -102,8 +102,7 @@ class LossRound:
                 dtype, guess = real, None
         else:
             replies = self.rounds.request(msgs, "computing the loss")
-        self.pool.unlink_segments()
-        self.rounds.raise_failures(replies, "criterion")
+        self.rounds.settle(replies, "criterion")
         done = [replies[s] for s in range(k)]
         if guess is not None:
             self._settle(crit, guess, done, speculate, flags)

@@ -200,7 +200,8 @@ class ReplicaSet:
                     "Every class the model uses must be importable in the workers (they get the coordinator's "
                     f"sys.path) or defined in the training script.\n--- remote traceback ---\n{r.traceback}"
                 )
-        pool.unlink_segments()
+        for seg in (master.region, *(self.memory.states[i] for i in indices)):
+            seg.unlink()  # every worker mapped what its Init named (the master's by name: a daemon's, a re-sync)
         for i in range(self.setup.n):
             self.rebuild(i)
         self._follow_patches(indices, call)

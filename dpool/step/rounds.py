@@ -57,9 +57,14 @@ class Rounds:
             self.unsent()
             raise
         replies = self.request(msgs, stage)
+        self.settle(replies, where)
+        return replies
+
+    def settle(self, replies: Mapping[int, Any], where: str) -> None:
+        """The end of every round: the names of the segments its messages named go (each worker mapped them,
+        or failed), then the first failure is raised as the user's (``where`` names the round in it)."""
         self.pool.unlink_segments()
         self.raise_failures(replies, where)
-        return replies
 
     def call_all(self, fn: Any) -> list[Any]:
         """Run ``fn(replica)`` in every worker: their results, in worker order."""
