@@ -64,8 +64,8 @@ class Lease(Launcher):
         nonce = self.nonce = secrets.token_bytes(32)
         pool.rekey(P.session_key(pool_key, nonce))  # the daemon derives the same key; it is never sent
         deadline = time.monotonic() + pool.config.startup_timeout_s
-        ask = P.Attach(os.getpid(), session_endpoint, nonce, pool.control.ref(), P.PROTOCOL_VERSION,
-                       pool.config.max_message_bytes)
+        ask = P.Attach(pid=os.getpid(), endpoint=session_endpoint, nonce=nonce, control=pool.control.ref(),
+                       protocol=P.PROTOCOL_VERSION, max_message_bytes=pool.config.max_message_bytes)
         while True:
             reply = request(self.name, ask, timeout=5.0)
             if reply.ok:
@@ -115,7 +115,7 @@ class Lease(Launcher):
         """Free the lease at the daemon, and stop watching it."""
         try:
             if self.nonce is not None:  # (asked for one, granted or not: a Ctrl-C may have cut the answer)
-                request(self.name, P.Detach(os.getpid(), self.nonce), timeout=2.0)
+                request(self.name, P.Detach(pid=os.getpid(), nonce=self.nonce), timeout=2.0)
         except Exception:
             pass  # the daemon is gone, or will notice our exit through our pidfd
         if self.daemon_fd is not None:

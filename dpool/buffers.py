@@ -88,7 +88,7 @@ class BufferCommit:
             for j, (bn, im, iv, inb) in enumerate(self.batchnorms):
                 if not training[j]:
                     continue
-                self._sync_bn(bn, im, iv, inb, slots, [c[j] for c in counts])
+                self._sync_bn(bn=bn, im=im, iv=iv, inb=inb, slots=slots, counts=[c[j] for c in counts])
                 done.update((im, iv) if inb is None else (im, iv, inb))
         for i in range(len(self.master_views)):
             if i not in done:
@@ -143,7 +143,7 @@ class BufferCommit:
 
     def _sync_bn(self, bn: nn.modules.batchnorm._BatchNorm, im: int, iv: int, inb: int | None,
                  slots: Sequence[list[torch.Tensor]], counts: list[int]) -> None:
-        f, c, means, var_biased = self._shard_moments(bn, im, iv, inb, slots, counts)
+        f, c, means, var_biased = self._shard_moments(bn=bn, im=im, iv=iv, inb=inb, slots=slots, counts=counts)
         old_mean = self.master_views[im].double()
         old_var = self.master_views[iv].double()
         n = c.sum()
@@ -167,7 +167,8 @@ class BufferCommit:
             for j, (bn, im, iv, inb) in enumerate(self.batchnorms):
                 if not training[j]:
                     continue
-                f, c, means, var_b = self._shard_moments(bn, im, iv, inb, slots, [c[j] for c in counts])
+                f, c, means, var_b = self._shard_moments(bn=bn, im=im, iv=iv, inb=inb, slots=slots,
+                                                         counts=[c[j] for c in counts])
                 cw = c.view(-1, 1)
                 parts += [c.sum().view(1), (cw * means).sum(0), (cw * (var_b + means ** 2)).sum(0)]
                 bns.append((len(parts) - 3, bn, im, iv, inb, f))

@@ -43,7 +43,7 @@ class AllReduceHub:
     def offer(self, idx: int, msg: P.AllReduce, reply: Reply) -> None:
         """Worker ``idx``'s part; answers every part once the last one arrives."""
         if self._aborted:
-            reply(idx, P.AllReduceDone(msg.seq, b"", True))
+            reply(idx, P.AllReduceDone(seq=msg.seq, data=b"", abort=True))
             return
         parts = self._parts.setdefault(msg.seq, {})
         parts[idx] = msg.data
@@ -62,12 +62,12 @@ class AllReduceHub:
             self.across(total)
         data = to_bytes(total)
         for w in parts:
-            reply(w, P.AllReduceDone(msg.seq, data, False))
+            reply(w, P.AllReduceDone(seq=msg.seq, data=data, abort=False))
 
     def abort(self, reply: Reply) -> None:
         """A shard failed: release every worker blocked in a collective of this round."""
         self._aborted = True
         for seq, parts in self._parts.items():
             for w in parts:
-                reply(w, P.AllReduceDone(seq, b"", True))
+                reply(w, P.AllReduceDone(seq=seq, data=b"", abort=True))
         self._parts.clear()

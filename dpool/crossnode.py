@@ -166,8 +166,9 @@ class CrossNode:
         self.collectives = 0  # every collective issued (tests count them)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         ns = f"dpool/{getattr(group, 'group_name', 'pg')}/{restart}/{next(_WRAPS)}"
-        self.peers = Peers(_store_of(group), ns, self.rank, self.size, config.peer_heartbeat_s,
-                           config.peer_heartbeat_timeout_s, config.peer_timeout_s)
+        self.peers = Peers(store=_store_of(group), namespace=ns, rank=self.rank, size=self.size,
+                           interval_s=config.peer_heartbeat_s, silence_s=config.peer_heartbeat_timeout_s,
+                           timeout_s=config.peer_timeout_s)
         self.peers.timed_waits = self.comm_device.type == "cpu" and device.type == "cpu"  # gloo on CPU tensors
         self.mask_len = 0
         if self._other >= 0 and device.type == "cpu":  # the swaps' receives block: the heartbeat can end them
@@ -493,7 +494,8 @@ class CrossNodeReducer(Reducer):
             numel = (self.layout.param_groups[g][2] - self.layout.param_groups[g][1]) // slots[0][g].element_size()
             pre = self._pre if gi == len(self.groups) - 1 else 0
             post = self._post if gi == 0 else 0
-            self._totals.append(self.totals.take(g, numel, slots[0][g].dtype, self.device, pre, post))
+            self._totals.append(self.totals.take(key=g, numel=numel, dtype=slots[0][g].dtype, device=self.device,
+                                                 pre=pre, post=post))
         self._works = []
         self._next = 0
         if not self.overlap:

@@ -190,7 +190,7 @@ def walk(modules: Sequence[torch.nn.Module], where: Sequence[str]) -> Held:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):
-            entries = _module(held, obj, name, depth, seen, stack, entries)
+            entries = _module(held=held, module=obj, name=name, depth=depth, seen=seen, stack=stack, entries=entries)
             continue
         found = _children(obj)
         if found is None:

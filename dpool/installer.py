@@ -86,7 +86,8 @@ def _data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[DeviceLi
     chosen = (_options or {}).get("device_ids")
     if chosen is not None:
         device_ids, output_device = chosen, None
-    return _dpool_data_parallel(module, inputs, device_ids, output_device, dim, module_kwargs)
+    return _dpool_data_parallel(module=module, inputs=inputs, device_ids=device_ids, output_device=output_device,
+                                dim=dim, module_kwargs=module_kwargs)
 
 
 _data_parallel.__name__ = _data_parallel.__qualname__ = "data_parallel"

@@ -78,27 +78,27 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "(Config.cross_node_overlap); off exchanges them all after it."),
     Knob("DPOOL_GLOO_LOOP", "choice", "batch", "cross-node mode",
          "Post a cross-node swap with gloo's loop threads under SCHED_BATCH (batch), so that they cannot "
-         "preempt the posting thread, or leave them alone (none).", ("batch", "none")),
+         "preempt the posting thread, or leave them alone (none).", choices=("batch", "none")),
     # ---- tuning: each trades one thing for another; the defaults are measured (docs/performance.md)
     Knob("DPOOL_WORKER_SCHED", "choice", "auto", "tuning",
          "Scheduling policy of the workers' threads: batch (woken threads never preempt), other (Linux's "
          "default), auto (batch while every worker has a physical core of its own).",
-         ("auto", "batch", "other"), "worker scheduling policy"),
+         choices=("auto", "batch", "other"), noun="worker scheduling policy"),
     Knob("DPOOL_WORKER_AFFINITY", "choice", "auto", "tuning",
          "CPU workers' cores: cores (worker k on cores of its own), none (wherever Linux puts them), auto "
          "(cores when the workers' threads fill exactly the cores this process may use).",
-         ("auto", "cores", "none"), "worker affinity policy"),
+         choices=("auto", "cores", "none"), noun="worker affinity policy"),
     Knob("DPOOL_COORDINATOR_AFFINITY", "choice", "auto", "tuning",
          "Under torchrun, whether a coordinator joins its workers on its local rank's share of the cores "
-         "(auto) or stays where it is (none).", ("auto", "none")),
+         "(auto) or stays where it is (none).", choices=("auto", "none")),
     Knob("DPOOL_REPLY_TOGETHER", "choice", "auto", "tuning",
          "Whether a round's workers reply together, waking the coordinator once: on, off, auto (when the "
          "coordinator has no core of its own). Trades a worker's idle wait for fewer wake-ups.",
-         ("auto", "on", "off")),
+         choices=("auto", "on", "off")),
     Knob("DPOOL_FORWARD_WITH_LOSS", "choice", "auto", "tuning",
          "Whether a gather=False training forward waits for its loss and goes to the workers with it, in "
          "one round (auto), or runs at once in a round of its own (off; its errors then come from model(x)).",
-         ("auto", "off")),
+         choices=("auto", "off")),
     Knob("DPOOL_CUDA_ASYNC_REPLIES", "bool", False, "tuning",
          "UNVERIFIED (never run on a GPU yet): a GPU worker replies to a forward, a fetch or a loss as soon as "
          "their kernels are queued, with an interprocess event the coordinator's streams wait on, instead of "

@@ -348,11 +348,14 @@ class Spawn(Launcher):
         self._start(pool, w)
 
     def _start(self, pool: "Pool", w: Worker) -> None:
-        boot = P.Boot("embedded", pool.key, pool.endpoint, w.index, w.ident, w.device, os.getpid(), pool.threads,
-                      pool.config.shm_dir, pool.prefix, pool.control.fd_ref(), None,
-                      pool.config.heartbeat_interval_s, pool.config.max_message_bytes)
-        w.proc, w.threads = start_worker(boot, pool.threads, len(pool.workers), pool.inherited_fds,
-                                         f"dpool worker {w.index}", w.stderr_tail)
+        boot = P.Boot(mode="embedded", key=pool.key, endpoint=pool.endpoint, index=w.index, ident=w.ident,
+                      device=w.device, ppid=os.getpid(), threads=pool.threads, shm_dir=pool.config.shm_dir,
+                      prefix=pool.prefix, control=pool.control.fd_ref(), steps=None,
+                      heartbeat_interval_s=pool.config.heartbeat_interval_s,
+                      max_message_bytes=pool.config.max_message_bytes)
+        w.proc, w.threads = start_worker(boot=boot, threads=pool.threads, workers=len(pool.workers),
+                                         pass_fds=pool.inherited_fds, label=f"dpool worker {w.index}",
+                                         tail=w.stderr_tail)
         w.pid = w.proc.pid
         pool.watch(w)
 

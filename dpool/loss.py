@@ -456,7 +456,7 @@ def _split(loss_fn: Any, reduction: str, out: Any, args: tuple,
     with torch.no_grad():  # one more loss computation where it is checked: the mean's, or the unreduced
         none = _reduced_as(loss_fn, "none", cache)(out, *args) if denom is None or reduction == "sum" else None
         if check:
-            _check_split(loss_fn, reduction, total, none, denom, out, args)
+            _check_split(loss_fn=loss_fn, reduction=reduction, total=total, none=none, denom=denom, out=out, args=args)
     if denom is None:
         assert none is not None
         denom = float(none.numel())
@@ -554,8 +554,8 @@ def combine(runtime: Host, handle: ShardedOutput, replies: list, dtype: torch.dt
     # (scalar_tensor: torch.tensor's conversion to dtype in one op where torch.tensor takes four)
     value = torch.scalar_tensor(total / denom if denom else (math.nan if reduction == "mean" else total),
                                 dtype=dtype, device=runtime.output_device)
-    box = _LossBox(runtime, handle, value, denom if denom else 1.0, [r.index for r in replies], guess, crit,
-                   param_idx)
+    box = _LossBox(runtime=runtime, handle=handle, value=value, denom=denom if denom else 1.0,
+                   indices=[r.index for r in replies], guess=guess, crit=crit, param_idx=param_idx)
     grad_inputs = handle.diff_inputs + [runtime.params[i] for i in box.param_idx]
     if torch.is_grad_enabled() and grad_inputs and any(handle.call_state.differentiable):
         return LossBridge.apply(box, *grad_inputs)

@@ -484,7 +484,7 @@ class Pool:
                 # sent for a request of a round abandoned since (Ctrl-C, another worker's failure): a reply is
                 # dropped; a worker that waits in a collective of that request is released
                 if isinstance(msg, P.AllReduce):
-                    self._reply(idx, P.AllReduceDone(msg.seq, b"", True), self.chan.last_re)
+                    self._reply(idx, P.AllReduceDone(seq=msg.seq, data=b"", abort=True), self.chan.last_re)
                 continue
             return idx, msg
 

@@ -407,7 +407,7 @@ class Master:
                 if not isinstance(a, torch.Tensor) or (indices is not None and i not in indices):
                     continue
                 first = t.storage_offset() * t.element_size() + offset
-                a.data = standalone(t.untyped_storage(), t.device, first, a.dtype, a.shape, list(a.stride()))
+                a.data = standalone(t.untyped_storage(), t.device, first, a.dtype, a.shape, strides=list(a.stride()))
 
     # ------------------------------------------------------------------ attributes and hooks
     def snapshot(self, walked: _held.Held | None = None) -> None:

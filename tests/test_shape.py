@@ -457,3 +457,32 @@ def test_one_round_ritual():
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                  and node.func.attr in ("unlink_segments", "raise_failures")]
     assert not elsewhere, "the round ritual outside dpool/step/rounds.py:\n" + "\n".join(elsewhere)
+
+
+# Calls that may pass more than MAX_POSITIONAL arguments by position: the standard library's and torch's
+FOREIGN_POSITIONAL = {
+    "finalize": "weakref.finalize(obj, fn, *args): its arguments are fn's",
+    "debug": "logging: %-style arguments", "info": "logging", "warning": "logging", "error": "logging",
+    "_new_shared_cuda": "torch's CUDA IPC: a storage from a handle's eight fields",
+}
+MAX_POSITIONAL = 5
+
+
+def test_no_call_passes_more_than_five_arguments_by_position():
+    """Past five, arguments are named: two adjacent ones of one type swapped would pass every check."""
+    long = [f"{path}:{node.lineno}: {ast.unparse(node.func)} with {len(node.args)}"
+            for path, tree in _trees().items() for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and len(node.args) > MAX_POSITIONAL
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", ""))
+            not in FOREIGN_POSITIONAL]
+    assert not long, "calls with more than five positional arguments:\n" + "\n".join(long)
+
+
+def test_every_message_is_built_by_keyword_on_both_sides():
+    """A message's fields are named where it is built, by the coordinator and by the workers."""
+    from dpool import protocol as P
+
+    positional = [f"{path}:{call.lineno}: P.{call.func.attr}(...)" for path, tree in _trees().items()  # type: ignore[attr-defined]
+                  for call in _message_calls(tree) if call.args
+                  and isinstance(getattr(P, call.func.attr, None), type) and issubclass(getattr(P, call.func.attr), P.Message)]  # type: ignore[attr-defined]
+    assert not positional, "messages built with positional arguments:\n" + "\n".join(positional)

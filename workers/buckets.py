@@ -70,4 +70,4 @@ class BucketReporter:
             if self._left[b] == 0:
                 self._reported[b] = 1
                 assert notify is not None
-                notify(P.BucketReady(self.call, b))
+                notify(P.BucketReady(call=self.call, bucket=b))

@@ -210,9 +210,11 @@ class Daemon:
         w.generation += 1
         w.steps += self.steps[w.index]  # a respawned worker counts from zero in its slot
         self.steps[w.index] = 0
-        boot = P.Boot("daemon", self.key, self.endpoint, w.index, w.ident, w.device, os.getpid(), self.threads,
-                      self.config.shm_dir, "", None, [self.steps_fd, 8 * max(1, len(self.devices))],
-                      self.config.heartbeat_interval_s, self.config.max_message_bytes)
+        boot = P.Boot(mode="daemon", key=self.key, endpoint=self.endpoint, index=w.index, ident=w.ident,
+                      device=w.device, ppid=os.getpid(), threads=self.threads, shm_dir=self.config.shm_dir, prefix="",
+                      control=None, steps=[self.steps_fd, 8 * max(1, len(self.devices))],
+                      heartbeat_interval_s=self.config.heartbeat_interval_s,
+                      max_message_bytes=self.config.max_message_bytes)
         w.proc, _ = start_worker(boot, self.threads, len(self.devices), [self.steps_fd], f"worker {w.index}",
                                  sink=_log_output)
         w.pidfd = os.pidfd_open(w.proc.pid)
@@ -302,7 +304,7 @@ class Daemon:
                     log.info("worker %d detached (%s; %d steps)", w.index, msg.reason, msg.steps)
                 continue
             if isinstance(msg, P.Challenge):
-                self.send(ident, P.ChallengeDone(self.challenges.give(ident)))
+                self.send(ident, P.ChallengeDone(challenge=self.challenges.give(ident)))
                 continue
             if isinstance(msg, _REQUESTS) and not self.challenges.take(ident, msg.challenge):
                 self.dropped += 1  # recorded and sent again, or from another connection: no effect, no answer
@@ -317,18 +319,19 @@ class Daemon:
                     self.release()
                 self.send(ident, P.DetachDone())
             elif isinstance(msg, P.Status):
-                self.send(ident, P.StatusDone(self.status()))
+                self.send(ident, P.StatusDone(info=self.status()))
             elif isinstance(msg, P.Stop):
                 self.send(ident, P.StopDone())
                 self.stopping = True
             else:  # authenticated, but not a request a daemon serves: say so rather than leave it waiting
-                self.send(ident, P.Failed("daemon", "dpool.errors", "ProtocolError",
-                                          f"the dpool-workers daemon does not serve {msg.op!r} requests "
-                                          f"(it serves attach, detach, status and stop)", ""))
+                self.send(ident, P.Failed(stage="daemon", module="dpool.errors", qualname="ProtocolError",
+                                          message=f"the dpool-workers daemon does not serve {msg.op!r} requests "
+                                          f"(it serves attach, detach, status and stop)", traceback=""))
 
     def attach(self, ident: bytes, msg: Any) -> None:
         def refuse(why: str) -> None:
-            self.send(ident, P.AttachDone(False, [], why, self.threads, os.getpid()))
+            self.send(ident, P.AttachDone(ok=False, workers=[], error=why, threads=self.threads,
+                                          daemon_pid=os.getpid()))
 
         if msg.protocol != P.PROTOCOL_VERSION:
             return refuse(f"dpool protocol {msg.protocol} client cannot use a protocol {P.PROTOCOL_VERSION} daemon")
@@ -355,12 +358,12 @@ class Daemon:
         out = []
         for w in self.workers:
             session_ident = b"a" + w.ident + b"." + secrets.token_hex(8).encode()
-            self.send(w.ident, P.Serve(msg.endpoint, key, session_ident, msg.control, msg.pid,
-                                        msg.max_message_bytes))
+            self.send(w.ident, P.Serve(endpoint=msg.endpoint, key=key, ident=session_ident, control=msg.control,
+                                       client_pid=msg.pid, max_message_bytes=msg.max_message_bytes))
             w.state = "busy"
             assert w.proc is not None
             out.append([w.index, w.device, w.proc.pid, session_ident])
-        self.send(ident, P.AttachDone(True, out, "", self.threads, os.getpid()))
+        self.send(ident, P.AttachDone(ok=True, workers=out, error="", threads=self.threads, daemon_pid=os.getpid()))
         log.info("client %d attached", msg.pid)
 
     def _control_exists(self, ref: Any) -> bool:
@@ -383,7 +386,7 @@ class Daemon:
         if self.client is not None:
             for w in self.workers:
                 if w.state == "busy":
-                    self.send(w.ident, P.EndServe(self.client))
+                    self.send(w.ident, P.EndServe(client_pid=self.client))
         if self.client_fd >= 0:
             self.poller.unregister(self.client_fd)
             os.close(self.client_fd)

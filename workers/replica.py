@@ -208,7 +208,7 @@ class Replica(BackwardHandlers, LossHandlers):
         model, params, viewed = self._unpickle(msg)
         self._bind(msg, model, params, viewed, master)
         self.stage = "idle"
-        return P.InitDone(len(self.params), len(self.buffer_views))
+        return P.InitDone(n_params=len(self.params), n_buffers=len(self.buffer_views))
 
     def _map(self, msg: P.Init) -> Mapped:
         """Map the master's parameters and this worker's state segment: the views the model is built on."""
@@ -248,7 +248,8 @@ class Replica(BackwardHandlers, LossHandlers):
                 if of != "p":
                     viewed.add(i)
                 first = base.storage_offset() * base.element_size() + offset
-                return standalone(base.untyped_storage(), base.device, first, DTYPES[dt], shape, list(strides))
+                return standalone(storage=base.untyped_storage(), device=base.device, offset=first, dtype=DTYPES[dt],
+                                  shape=shape, strides=list(strides))
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
         model = _Unpickler(msg.model, load).load()
@@ -454,15 +455,16 @@ class Replica(BackwardHandlers, LossHandlers):
             offsets = [placer.reserve(t) for t in outs]
             if placer.offset > msg.outputs[1]:
                 self.unfetched[msg.call] = (outs, msg.grad)
-                return P.ForwardDone(msg.call, spec, [], placer.offset, list(self._bn_counts), time.monotonic() - t0,
-                                     t0, rebound, attributes)
+                return P.ForwardDone(call=msg.call, tree=spec, tensors=[], need=placer.offset,
+                                     stats=list(self._bn_counts), busy=time.monotonic() - t0, started=t0,
+                                     rebound=rebound, attributes=attributes)
             out_seg = self.segs["out"]
             metas = [Placer.write(out_seg.views, off, t, msg.grad and t.requires_grad) for off, t in zip(offsets, outs)]
         self.stage = "idle"
         if self.reply_event is None:  # (otherwise busy is the time to queue the forward's kernels)
             self._sync()
-        return P.ForwardDone(msg.call, spec, metas, 0, list(self._bn_counts), time.monotonic() - t0, t0, rebound,
-                             attributes)
+        return P.ForwardDone(call=msg.call, tree=spec, tensors=metas, need=0, stats=list(self._bn_counts),
+                             busy=time.monotonic() - t0, started=t0, rebound=rebound, attributes=attributes)
 
     def fetch(self, msg: P.Fetch) -> P.Message:
         if msg.call in self.unfetched:
@@ -473,7 +475,7 @@ class Replica(BackwardHandlers, LossHandlers):
         seg = self._seg("out", msg.outputs)
         placer = Placer()
         metas = [Placer.write(seg.views, placer.reserve(t), t, grad and t.requires_grad) for t in outs]
-        return P.FetchDone(msg.call, metas)
+        return P.FetchDone(call=msg.call, tensors=metas)
 
     # ---------------------------------------------------------------- misc
     def inspect(self, msg: P.Inspect) -> P.Message:
@@ -482,11 +484,11 @@ class Replica(BackwardHandlers, LossHandlers):
             self.unfetched.pop(c, None)
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return P.InspectDone(len(self.calls), rss)
+        return P.InspectDone(graphs=len(self.calls), rss=rss)
 
     def call(self, msg: P.Call) -> P.Message:
         self.stage = "running a function on the replica"
         fn = cloudpickle.loads(msg.fn)
         result = fn(self.model)
         self.stage = "idle"
-        return P.CallDone(cloudpickle.dumps(result))
+        return P.CallDone(result=cloudpickle.dumps(result))

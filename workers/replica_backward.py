@@ -160,10 +160,11 @@ class BackwardHandlers:
         own = self._backward_flags(msg.requires_grad)
         try:
             if msg.keep_as and giseg is not None:
-                done = self._backward_create_graph(msg, call, roots, grads, giseg, t0)
+                done = self._backward_create_graph(msg=msg, call=call, roots=roots, grads=grads, giseg=giseg, t0=t0)
             else:
-                done = self._backward(msg.call, call, roots, grads, giseg, msg.input_grads[1], msg.hold, msg.sparse,
-                                      t0, retain_graph=msg.retain_graph)
+                done = self._backward(call_id=msg.call, call=call, roots=roots, grads=grads, giseg=giseg,
+                                      gin_size=msg.input_grads[1], hold=msg.hold, sparse_ref=msg.sparse, t0=t0,
+                                      retain_graph=msg.retain_graph)
         finally:
             self._backward_flags(own)
         if versions:
@@ -230,8 +231,8 @@ class BackwardHandlers:
         metas = self._input_grads(call, giseg, gin_size)
         self.stage = "idle"
         self._sync()
-        return P.BackwardDone(call_id, bytes(mask), metas, time.monotonic() - t0, smetas, sparse_need,
-                              report and self.buckets.late, t0)
+        return P.BackwardDone(call=call_id, param_mask=bytes(mask), input_grads=metas, busy=time.monotonic() - t0,
+                              sparse=smetas, sparse_need=sparse_need, late=report and self.buckets.late, started=t0)
 
     def _to_slots(self, mask: bytearray, sparse: list, speculative: bool) -> None:
         """What is still in ``.grad`` goes to the slot (all of it when no hook copied as it came); sparse
@@ -342,7 +343,8 @@ class BackwardHandlers:
             metas.append(Placer.write(giseg.views, off, r.detach()))
         self.calls[msg.keep_as] = Call(results, gleaves + list(call.leaves), call.world)
         self.stage = "idle"
-        return P.BackwardDone(msg.call, bytes(mask), metas, time.monotonic() - t0, [], 0, False, t0)
+        return P.BackwardDone(call=msg.call, param_mask=bytes(mask), input_grads=metas, busy=time.monotonic() - t0,
+                              sparse=[], sparse_need=0, late=False, started=t0)
 
     def _take_held(self) -> bytearray:
         """no_sync() sums: in ``.grad``, or in the slot where a hook took them. Into the slot, where a
@@ -380,7 +382,7 @@ class BackwardHandlers:
         metas, need = self._write_sparse(self.unfetched_sparse.pop(msg.call), msg.sparse)
         if need:
             raise RuntimeError("sparse-gradient segment still too small (coordinator bug)")
-        return P.FetchSparseDone(msg.call, metas)
+        return P.FetchSparseDone(call=msg.call, sparse=metas)
 
     # set by Replica (see there)
     _holding: bool

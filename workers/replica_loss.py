@@ -29,8 +29,10 @@ class LossHandlers:
             loss = self.criterion(P.inner("criterion", msg.criterion))
         except Exception as exc:
             stage, self.stage = self.stage, "idle"
-            return P.ForwardCriterionDone(P.values_of(done), "failed", P.values_of(P.Failed.of(stage, exc)))
-        return P.ForwardCriterionDone(P.values_of(done), "criterion_done", P.values_of(loss))
+            return P.ForwardCriterionDone(forward=P.values_of(done), criterion_op="failed",
+                                          criterion=P.values_of(P.Failed.of(stage, exc)))
+        return P.ForwardCriterionDone(forward=P.values_of(done), criterion_op="criterion_done",
+                                      criterion=P.values_of(loss))
 
     def criterion(self, msg: P.Criterion) -> P.Message:
         self.stage = "computing the loss"
@@ -52,11 +54,12 @@ class LossHandlers:
             self._put_back_assigned()
         self.stage = "idle"
         if done is None:
-            return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom), False, b"",
-                                   [], 0.0)
-        return P.CriterionDone(msg.call, len(call.outputs) - 1, float(total.detach()), float(denom), True,
-                               done.param_mask, done.input_grads, done.busy,
-                               self._changed_buffers(versions) if versions else [])
+            return P.CriterionDone(call=msg.call, index=len(call.outputs) - 1, value=float(total.detach()),
+                                   denom=float(denom), backward=False, param_mask=b"", input_grads=[], busy=0.0)
+        return P.CriterionDone(call=msg.call, index=len(call.outputs) - 1, value=float(total.detach()),
+                               denom=float(denom), backward=True, param_mask=done.param_mask,
+                               input_grads=done.input_grads, busy=done.busy,
+                               buffers=self._changed_buffers(versions) if versions else [])
 
     def _speculate(self, msg: P.Criterion, call: Call, total: torch.Tensor, gin: Mapped) -> P.BackwardDone | None:
         """The backward of the shard loss ``total`` with the coordinator's ``msg.seed``, run now, exactly as
@@ -70,8 +73,9 @@ class LossHandlers:
         self.stage = f"running backward at step {msg.step} (right after the loss)"
         own = self._backward_flags(msg.requires_grad)
         try:
-            return self._backward(msg.call, call, [total], [seed], gin, msg.input_grads[1], False, [None, 0],
-                                  time.monotonic(), speculative=True)
+            return self._backward(call_id=msg.call, call=call, roots=[total], grads=[seed], giseg=gin,
+                                  gin_size=msg.input_grads[1], hold=False, sparse_ref=[None, 0], t0=time.monotonic(),
+                                  speculative=True)
         except Exception:  # sparse gradients (NotSpeculable) or the model's error: a fresh start next time
             for p in self.params:
                 p.grad = None

@@ -185,11 +185,11 @@ class Server:
         saved = sys.stdout, sys.stderr
         try:
             assert self.replica is not None
-            self.send(P.Hello(self.replica.index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__,
-                              sys.version.split()[0]))
+            self.send(P.Hello(worker=self.replica.index, pid=os.getpid(), protocol=P.PROTOCOL_VERSION,
+                              torch=torch.__version__, python=sys.version.split()[0]))
             if self.client_pid is not None:  # attached: our pipes go to the daemon's log, so prints travel
-                sys.stdout = _ToClient(lambda text: self.send(P.Output(1, text), zmq.NOBLOCK), saved[0])
-                sys.stderr = _ToClient(lambda text: self.send(P.Output(2, text), zmq.NOBLOCK), saved[1])
+                sys.stdout = _ToClient(lambda text: self.send(P.Output(stream=1, text=text), zmq.NOBLOCK), saved[0])
+                sys.stderr = _ToClient(lambda text: self.send(P.Output(stream=2, text=text), zmq.NOBLOCK), saved[1])
             linger = self._loop()
         except ClientGone as gone:
             reason = gone.args[0]
@@ -269,7 +269,7 @@ class Server:
             self.replica = None
             self.collective.pending = None
             drop_imports()
-            self.send(P.ServeDone(self.served, "shutdown"))
+            self.send(P.ServeDone(steps=self.served, reason="shutdown"))
             return 2000
         return 0
 
@@ -326,7 +326,7 @@ class Collective:
     def allreduce(self, t: Any) -> Any:
         data = t.detach().to(torch.float64).contiguous()
         self.seq += 1
-        self._send(P.AllReduce(self.seq, to_bytes(data)))
+        self._send(P.AllReduce(seq=self.seq, data=to_bytes(data)))
         while True:
             reply = self._recv()
             if not isinstance(reply, P.AllReduceDone):

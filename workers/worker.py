@@ -189,7 +189,8 @@ def _daemon_loop(ctx: Any, boot: Any, beat: _Beat, known: set[str]) -> None:
         steps_slot = memoryview(steps_map.mmap).cast("q")[index:index + 1]
     daemon = Channel(ctx, False, boot.key, boot.max_message_bytes, ident=boot.ident, on_reject=report_reject)
     daemon.connect(boot.endpoint)
-    daemon.send(P.Hello(index, os.getpid(), P.PROTOCOL_VERSION, torch.__version__, sys.version.split()[0]))
+    daemon.send(P.Hello(worker=index, pid=os.getpid(), protocol=P.PROTOCOL_VERSION, torch=torch.__version__,
+                        python=sys.version.split()[0]))
     while True:
         _, msg = daemon.recv()
         if isinstance(msg, P.Shutdown):
@@ -201,12 +202,13 @@ def _daemon_loop(ctx: Any, boot: Any, beat: _Beat, known: set[str]) -> None:
             if control.size < 8 * (index + 1):
                 raise ValueError(f"it has {control.size} bytes, fewer than this worker's heartbeat slot needs")
         except (OSError, ValueError, TypeError, IndexError) as exc:  # nothing a client sends may end a worker
-            daemon.send(P.ServeDone(0, f"refused: cannot map the client's control segment ({exc})"))
+            daemon.send(P.ServeDone(steps=0, reason=f"refused: cannot map the client's control segment ({exc})"))
             continue
         beat.target(control.u8[: 8 * (index + 1)].view(torch.int64)[index:])
         session = dataclasses.replace(boot, key=msg.key, endpoint=msg.endpoint, ident=msg.ident,
                                       max_message_bytes=msg.max_message_bytes)
-        steps, reason = Server(ctx, session, known, msg.client_pid, steps_slot, control, daemon).run()
+        steps, reason = Server(ctx=ctx, session=session, known=known, client_pid=msg.client_pid, steps_slot=steps_slot,
+                               control=control, daemon=daemon).run()
         beat.target(None)
         del control
         _unlink(boot.shm_dir, known)
@@ -217,7 +219,7 @@ def _daemon_loop(ctx: Any, boot: Any, beat: _Beat, known: set[str]) -> None:
             if reason == "client died":
                 sweep_cuda_counters(int(msg.client_pid))
         _trim_heap()  # workers keep their heap while serving (see worker_env); give it back between clients
-        daemon.send(P.ServeDone(steps, reason))
+        daemon.send(P.ServeDone(steps=steps, reason=reason))
         if reason == DAEMON_STOPPING:
             break
     daemon.close()

@@ -94,8 +94,9 @@ class Backwards:
         # one backward runs through, a round each: their graph stays until released.
         call_state.doubled = call_state.doubled or create_graph
         retain = call_state.doubled or not self.setup.gather_outputs or keeps_graph()
-        param_grads, replies = self.round(call_state.call, call_state.k, per_shard, call_state.gin_sizes, keep, hold,
-                                          rows=call_state.rows, at=call_state.fseq, skip=skip, retain=retain)
+        param_grads, replies = self.round(call=call_state.call, k=call_state.k, per_shard=per_shard,
+                                          gin_sizes=call_state.gin_sizes, keep=keep, hold=hold, rows=call_state.rows,
+                                          at=call_state.fseq, skip=skip, retain=retain)
         input_grads = call_state.input_grads([replies[s].input_grads for s in range(call_state.k)])
         if not hold:
             self.gate_hooks(param_grads, param_idx)
@@ -107,7 +108,7 @@ class Backwards:
             span = self.io.kept(s, call_state.call)
             if span is not None:
                 self.io.keep(s, keep, span)
-        double = DoubleState(host, call_state, keep, per_shard, grads, out)
+        double = DoubleState(runtime=host, call_state=call_state, call=keep, per_shard=per_shard, grads=grads, out=out)
         results = DoubleBridge.apply(double, *double.inputs)
         if not isinstance(results, tuple):
             results = (results,)
@@ -204,7 +205,8 @@ class Backwards:
         # them drop what was cleared. They backpropagate nothing (P.HELD_ONLY); one that holds nothing adds zeros.
         n = self.setup.n if state.workers_hold and k < self.setup.n and (not hold or any(drop)) else k
         try:
-            msgs = self._messages(call, k, n, per_shard, gin_sizes, keep, hold, flags, drop, retain)
+            msgs = self._messages(call=call, k=k, n=n, per_shard=per_shard, gin_sizes=gin_sizes, keep=keep, hold=hold,
+                                  flags=flags, drop=drop, retain=retain)
         except BaseException:
             self.rounds.unsent()
             raise
@@ -235,7 +237,7 @@ class Backwards:
             self.held.mark(self.setup.module, params, flags)
             self.commit_buffers(changed, k, rows)
             return [None] * len(params), replies
-        return self._reduce(slots, replies, n, k, rows, at, changed), replies
+        return self._reduce(slots=slots, replies=replies, n=n, k=k, rows=rows, at=at, changed=changed), replies
 
     def _send(self, msgs: dict[int, P.Message], call: int, k: int) -> tuple[dict[int, Any], list[int]]:
         """The round itself, and the fetch of sparse gradients that did not fit: the replies, and the buffers
@@ -303,7 +305,8 @@ class Backwards:
             raise RuntimeError("the graph of these gradients was lost when a dpool worker was restarted")
         self.check_params(double.call_state)
         per_shard, gin_sizes = double.pieces(vs)
-        param_grads, replies = self.round(double.call, double.k, per_shard, gin_sizes, 0, False)
+        param_grads, replies = self.round(call=double.call, k=double.k, per_shard=per_shard, gin_sizes=gin_sizes,
+                                          keep=0, hold=False)
         return double.results([replies[s].input_grads for s in range(double.k)],
                               [param_grads[i] for i in double.call_state.diff_idx])
 

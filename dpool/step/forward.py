@@ -123,7 +123,7 @@ class Forwards:
         if nodes is not None:
             self._begin_across(nodes)
         seed = state.draw_seed()
-        f = Planned(call, plan, shards, tensors, grad, nodes)
+        f = Planned(call=call, plan=plan, shards=shards, tensors=tensors, grad=grad, nodes=nodes)
         self._reserve(f)
         if setup.cuda:
             self.replicas.push()
@@ -132,7 +132,7 @@ class Forwards:
             # Calls collected here must reach the workers with this request, or be released again (every
             # path out of here that may not have told every worker does), or the workers keep their graphs.
             release = self.graphs.collect(io.release)
-            msgs = self._messages(f, spec, flags, release, seed, together)
+            msgs = self._messages(f=f, spec=spec, flags=flags, release=release, seed=seed, together=together)
         except BaseException:
             self.rounds.unsent()
             self.graphs.retell()
@@ -176,8 +176,10 @@ class Forwards:
         setup = self.setup
         training, requires_grad, autocast = flags
         shares = self.balancer.weights()
-        key = _plan.signature(spec, tensors, grad, autocast, training, requires_grad, self.replicas.version, shares,
-                              self.replicas.layout.buffer_range is not None, self.state.no_sync, synced)
+        key = _plan.signature(spec=spec, tensors=tensors, grad=grad, autocast=autocast, training=training,
+                              requires_grad=requires_grad, model=self.replicas.version, shares=shares,
+                              buffers=self.replicas.layout.buffer_range is not None, no_sync=self.state.no_sync,
+                              synced=synced)
         plan = self.plans.get(key)
         if plan is not None:
             return plan, _scatter.shard_views(tensors, plan.splits, plan.k, setup.dim)
@@ -307,9 +309,9 @@ class Forwards:
     def _call_state(self, host: Host, f: Planned, replies: dict[int, Any]) -> CallState:
         params = self.master.params
         return CallState(
-            host, f.call, f.k, _gather.tensor_groups([replies[s].tree for s in range(f.k)]),
-            [replies[s].tensors for s in range(f.k)], [self.io.segment(s, "out") for s in range(f.k)], f.splits,
-            f.gin_sizes, f.rg, f.plan.shapes,
+            runtime=host, call=f.call, k=f.k, groups=_gather.tensor_groups([replies[s].tree for s in range(f.k)]),
+            metas=[replies[s].tensors for s in range(f.k)], outs=[self.io.segment(s, "out") for s in range(f.k)],
+            splits=f.splits, gin_sizes=f.gin_sizes, rg=f.rg, shard_shapes=f.plan.shapes,
             fseq=self.state.progress.fseq if self.setup.nodes is not None else 0,  # the forward its backward names
             diff_inputs=f.diff_inputs(), diff_idx=f.plan.diff_idx, params=params,  # (what a double backward
             # differentiates)
@@ -359,9 +361,10 @@ class Forwards:
             replicas.commit_rebound([s for s in range(k) if replies[s].rebound], self.rounds.call)
         memory = replicas.memory
         if replicas.layout.buffer_range is not None:
-            replicas.buffers.commit(memory.master_buffers, memory.first_buffers, memory.buffer_slots[:k], rows,
-                                    [replies[s].stats for s in range(k)],
-                                    [bn.training for bn, *_ in replicas.buffers.batchnorms],
+            replicas.buffers.commit(master_bytes=memory.master_buffers, first_bytes=memory.first_buffers,
+                                    slots=memory.buffer_slots[:k], sizes=rows,
+                                    counts=[replies[s].stats for s in range(k)],
+                                    training=[bn.training for bn, *_ in replicas.buffers.batchnorms],
                                     across=None if f.nodes is None else functools.partial(
                                         f.nodes.all_reduce, doing="combining buffer statistics"))
 

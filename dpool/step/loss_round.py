@@ -76,17 +76,18 @@ class LossRound:
         guess = None
         if (crit.backward_with_loss and torch.is_grad_enabled() and (handle.diff_inputs or param_idx)
                 and differentiable):
-            guess = predict_seed(crit, tuple(targets),
-                                 lambda: [_tree.unflatten(spec, sh.__getitem__) for sh in shards],
-                                 lambda: shapes, dtype, self.setup.output_device)
+            guess = predict_seed(crit=crit, targets=tuple(targets),
+                                 shard_targets=lambda: [_tree.unflatten(spec, sh.__getitem__) for sh in shards],
+                                 output_shapes=lambda: shapes, dtype=dtype, device=self.setup.output_device)
         speculate = self._speculates(crit, guess)
         flags = bytes(p.requires_grad for p in params)  # the early backward's; checked again at backward
         if speculate:
             self.state.slots.bump("speculative backward")  # the workers write their slots in this round
         together = self.pool.together(k)
         try:
-            msgs, spans = self._messages(call_state, fn, spec, shards, guess if speculate else None, dtype, flags,
-                                         together)
+            msgs, spans = self._messages(call_state=call_state, fn=fn, spec=spec, shards=shards,
+                                         guess=guess if speculate else None, dtype=dtype, flags=flags,
+                                         together=together)
         except BaseException:
             self.rounds.unsent()
             if pending is not None:  # (its segments were rolled back with these: it can no longer run)
@@ -106,7 +107,8 @@ class LossRound:
         done = [replies[s] for s in range(k)]
         if guess is not None:
             self._settle(crit, guess, done, speculate, flags)
-        return combine(host, handle, done, dtype, crit.reduction, guess, crit, param_idx)
+        return combine(runtime=host, handle=handle, replies=done, dtype=dtype, reduction=crit.reduction, guess=guess,
+                       crit=crit, param_idx=param_idx)
 
     def _target_shards(self, tensors: list[torch.Tensor], k: int, rows: list[int]) -> list[list[Any]]:
         """The targets split over the workers like the inputs, row for row."""

@@ -117,8 +117,9 @@ class ReplicaSet:
             # exchanges inside the backward would then interleave with the buckets' by timing.
             overlap = (self.config.cross_node_overlap and not setup.cuda
                        and not any(synchronizes(m) for m in modules))
-            self.reducer = CrossNodeReducer(self.layout, master.params, master.param_strides, setup.device,
-                                            setup.nodes, overlap, fold=not self.forward_collectives)
+            self.reducer = CrossNodeReducer(layout=self.layout, params=master.params, strides=master.param_strides,
+                                            device=setup.device, nodes=setup.nodes, overlap=overlap,
+                                            fold=not self.forward_collectives)
         else:
             # a large sum may use the workers' cores: they are idle while it runs
             self.reducer = Reducer(self.layout, master.params, master.param_strides, setup.device,

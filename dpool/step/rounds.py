@@ -216,8 +216,9 @@ class Rounds:
         w = self.pool.workers[i]
         master = self.master
         empty = [n for n, b in zip(master.buffer_names, master.buffers) if not b.numel()]
-        message = hints.worker_failure(r.message, r.qualname, self.state.last_rows, master.buffer_names, empty,
-                                       self.setup.devices, self.setup.cuda)
+        message = hints.worker_failure(message=r.message, qualname=r.qualname, rows=self.state.last_rows,
+                                       buffer_names=master.buffer_names, empty_buffers=empty,
+                                       devices=self.setup.devices, cuda=self.setup.cuda)
         # raised without a local name: a local would tie the exception to this frame's locals (the
         # I/O segments among them) in a cycle that only the GC frees
         raise remote_error(r.module, r.qualname, message, r.traceback, worker=i, device=w.device, pid=w.pid,

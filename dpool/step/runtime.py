@@ -113,9 +113,10 @@ class Runtime:
                                 progress=state.progress)
         self.io = IORegions(setup.n, lambda w, size: pool.new_segment(size, device=setup.devices[w], owner=w))
         # (HeldGradients: what the loop did to the gradients the workers hold, see accumulate.py)
-        self._wire(StepParts(setup, state, pool, self.io, self.graphs, self.stats, master, config,
-                             Balancer(setup.n, options.shard_weights, options.balance), Notices(),
-                             HeldGradients(lambda: master.param_names)))
+        self._wire(StepParts(setup=setup, state=state, pool=pool, io=self.io, graphs=self.graphs, stats=self.stats,
+                             master=master, config=config,
+                             balancer=Balancer(setup.n, options.shard_weights, options.balance), notices=Notices(),
+                             held=HeldGradients(lambda: master.param_names)))
         self._unbind: Callable[[], None] | None = None  # undoes the coordinator's binding (close())
         try:
             self.replicas.start(self.rounds.call)
@@ -134,7 +135,8 @@ class Runtime:
         forwards = self.forwards = Forwards(parts, replicas, rounds)
         self.deferred = Deferred(parts, rounds, forwards)
         self.backwards = Backwards(parts, replicas, rounds)
-        self.losses = LossRound(parts, replicas, rounds, forwards, self.deferred, self.backwards)
+        self.losses = LossRound(parts=parts, replicas=replicas, rounds=rounds, forwards=forwards,
+                                deferred=self.deferred, backwards=self.backwards)
 
     # ------------------------------------------------------------------ what the bridge and the loss read
     @property
@@ -206,7 +208,8 @@ class Runtime:
         they used: :meth:`dpool.loss.Speculation.hit`) and their slots still hold the result; ``None``: run
         the backward round instead. In cross-node mode the reduce averages over the nodes, with the same
         collectives the backward round's reduce would make, so ranks that took different paths stay in step."""
-        run = functools.partial(self.losses.backward_speculated, call_state, guess, hit, crit, param_idx)
+        run = functools.partial(self.losses.backward_speculated, call_state=call_state, guess=guess, hit=hit,
+                                crit=crit, param_idx=param_idx)
         nodes = self.setup.nodes
         return nodes.synced(run) if nodes is not None and not self.state.no_sync else run()
 
@@ -233,8 +236,10 @@ class Runtime:
         hold = self.backwards.holds()
         nodes = self.setup.nodes
         if nodes is not None and not self.state.no_sync:
-            return nodes.synced(lambda: self.backwards.run(self, call_state, grads, pieces, param_idx, None, False))
-        return self.backwards.run(self, call_state, grads, pieces, param_idx, taken, hold)
+            return nodes.synced(lambda: self.backwards.run(host=self, call_state=call_state, grads=grads,
+                                                           pieces=pieces, param_idx=param_idx, taken=None, hold=False))
+        return self.backwards.run(host=self, call_state=call_state, grads=grads, pieces=pieces, param_idx=param_idx,
+                                  taken=taken, hold=hold)
 
     @_one_call_at_a_time(run_deferred_first=True)
     def double_backward(self, double: Any, vs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:

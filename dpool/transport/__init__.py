@@ -30,18 +30,18 @@ class Transport(NamedTuple):
     """One device type's way to share memory with workers."""
 
     region: Callable[..., Any]
-    """``region(directory, name, size, device, owner, keep_fd)``: a coordinator-owned region."""
+    """``region(directory, name, size, device=, owner=, keep_fd=)``: a coordinator-owned region."""
     attach: Callable[[str, list], Any]
     """``attach(directory, ref)``: a worker's mapping of a region from its ``ref``."""
     ref_len: int
     """How many entries this transport's refs have (how :func:`attach` tells them apart)."""
 
 
-def _shm_region(directory: str, name: str, size: int, device: torch.device, owner: Any, keep_fd: bool) -> Any:
+def _shm_region(directory: str, name: str, size: int, *, device: torch.device, owner: Any, keep_fd: bool) -> Any:
     return shm.Segment(directory, name, size, keep_fd=keep_fd)
 
 
-def _cuda_region(directory: str, name: str, size: int, device: torch.device, owner: Any, keep_fd: bool) -> Any:
+def _cuda_region(directory: str, name: str, size: int, *, device: torch.device, owner: Any, keep_fd: bool) -> Any:
     return cuda_ipc.Arena(name, size, device, owner)
 
 
@@ -64,7 +64,7 @@ def new_region(device: torch.device, directory: str, name: str, size: int, owner
         owner: on a GPU, the worker the region is exported to (``None``: each worker ``ref`` names).
         keep_fd: CPU only: keep a file descriptor so that a spawned worker can inherit it.
     """
-    return TRANSPORTS[device.type].region(directory, name, size, device, owner, keep_fd)
+    return TRANSPORTS[device.type].region(directory, name, size, device=device, owner=owner, keep_fd=keep_fd)
 
 
 def attach(directory: str, ref: list, current: Any = None) -> Any:

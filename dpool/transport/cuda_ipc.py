@@ -128,7 +128,8 @@ class Arena:
 
     def standalone(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
                    strides: list[int] | None = None) -> torch.Tensor:
-        return standalone(self.u8.untyped_storage(), self.device, offset, dtype, shape, strides)
+        return standalone(storage=self.u8.untyped_storage(), device=self.device, offset=offset, dtype=dtype,
+                          shape=shape, strides=strides)
 
     def ref(self, consumer: Any = None) -> list:
         """``[name, size, export]`` for ``consumer`` (default: the owner): exported once per consumer process."""
@@ -167,7 +168,8 @@ class Imported:
 
     def standalone(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
                    strides: list[int] | None = None) -> torch.Tensor:
-        return standalone(self.storage, self.device, offset, dtype, shape, strides)
+        return standalone(storage=self.storage, device=self.device, offset=offset, dtype=dtype, shape=shape,
+                          strides=strides)
 
 
 def drop_imports() -> None:
