@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import operator
 import sys
 import traceback
@@ -147,12 +148,14 @@ TOGETHER_WAIT_S = 300e-6
 
 # A region reference (see dpool.transport): [name, size] in shared memory, [name, size, export] on a GPU.
 SegRef = list
+# A list of TensorMeta (``None`` where a message allows no tensor), checked and typed by Codec.
+Metas = list
 
 
 class TensorMeta(NamedTuple):
     """Where one tensor lies in a region: it travels as the array ``[dtype, shape, offset, requires_grad]``.
 
-    Fields typed :data:`_METAS` arrive as lists of these (``None`` where a message allows no tensor).
+    Fields typed :data:`Metas` arrive as lists of these (``None`` where a message allows no tensor).
     """
 
     dtype: str
@@ -201,11 +204,26 @@ def _field_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
     return lambda m: ()
 
 
+# What a field's annotation allows to arrive (msgpack's types); ``X | None`` also allows ``None``.
+_ALLOWED: dict[str, tuple] = {"int": _INT, "str": _STR, "bool": _BOOL, "bytes": _BYTES, "list": _LIST,
+                              "SegRef": _LIST, "Metas": _METAS, "dict": (dict,), "float": (float,), "Any": (object,)}
+
+
+def _allowed(annotation: str) -> tuple:
+    kind, _, optional = annotation.partition(" | ")
+    if optional:
+        assert optional == "None", annotation
+        return (*_ALLOWED[kind], _NONE)
+    return _ALLOWED[kind]
+
+
 @dataclass_transform()
-def _message(op: str, **types: Any) -> Callable[[type[_M]], type[_M]]:
-    """Make a slotted dataclass message with op name ``op`` and the allowed python types of each field."""
+def _message(op: str) -> Callable[[type[_M]], type[_M]]:
+    """Make a slotted dataclass message with op name ``op``: each field's annotation is also what a decoded
+    body may hold there (see :data:`_ALLOWED`)."""
 
     def deco(cls: type[_M]) -> type[_M]:
+        types = {name: _allowed(ann) for name, ann in inspect.get_annotations(cls).items()}
         cls = dataclass(slots=True)(cls)
         cls.op = op
         cls._types = types
@@ -222,9 +240,7 @@ def _message(op: str, **types: Any) -> Callable[[type[_M]], type[_M]]:
     return deco
 
 
-@_message("boot", mode=_STR, key=_BYTES, endpoint=_STR, index=_INT, ident=_BYTES, device=_STR, ppid=_INT,
-          threads=_INT, shm_dir=_STR, prefix=_STR, control=(list, _NONE), steps=(list, _NONE),
-          heartbeat_interval_s=(float,), max_message_bytes=_INT)
+@_message("boot")
 class Boot(Message):
     """Parent → new worker process, on its stdin (a pipe only the parent holds): who it is and whom it serves.
 
@@ -267,7 +283,7 @@ class Boot(Message):
         return msg
 
 
-@_message("hello", worker=_INT, pid=_INT, protocol=_INT, torch=_STR, python=_STR)
+@_message("hello")
 class Hello(Message):
     """Worker → coordinator, first message after connecting."""
 
@@ -278,17 +294,7 @@ class Hello(Message):
     python: str
 
 
-@_message(
-    "init",
-    model=_BYTES,
-    sys_path=_LIST,
-    params=_LIST,
-    state=_LIST,
-    param_layout=_LIST,
-    buffer_layout=_LIST,
-    threads=_INT,
-    options=(dict,),
-)
+@_message("init")
 class Init(Message):
     """Coordinator → worker: the pickled model (without tensor data) and the shared layouts.
 
@@ -307,32 +313,13 @@ class Init(Message):
     options: dict
 
 
-@_message("init_done", n_params=_INT, n_buffers=_INT)
+@_message("init_done")
 class InitDone(Message):
     n_params: int
     n_buffers: int
 
 
-@_message(
-    "forward",
-    call=_INT,
-    step=_INT,
-    grad=_BOOL,
-    training=_BYTES,
-    requires_grad=_BYTES,
-    sync_buffers=_BOOL,
-    inputs=_LIST,
-    outputs=_LIST,
-    tree=(object,),
-    tensors=_METAS,
-    shard=_INT,
-    world=_INT,
-    keep=_BOOL,
-    autocast=(list, _NONE),
-    release=_LIST,
-    seed=_INT,
-    together=_LIST,
-)
+@_message("forward")
 class Forward(Message):
     """Run the replica on one shard.
 
@@ -355,7 +342,7 @@ class Forward(Message):
     inputs: SegRef
     outputs: SegRef
     tree: Any
-    tensors: list
+    tensors: Metas
     shard: int
     world: int
     keep: bool
@@ -365,8 +352,7 @@ class Forward(Message):
     together: list
 
 
-@_message("forward_done", call=_INT, tree=(object,), tensors=_METAS, need=_INT, stats=_LIST, busy=(float,),
-          started=(float,), rebound=_LIST, attributes=_LIST)
+@_message("forward_done")
 class ForwardDone(Message):
     """The replica's output structure; ``need > 0`` means the outputs segment was too small.
 
@@ -384,7 +370,7 @@ class ForwardDone(Message):
 
     call: int
     tree: Any
-    tensors: list
+    tensors: Metas
     need: int
     stats: list
     busy: float
@@ -393,7 +379,7 @@ class ForwardDone(Message):
     attributes: list = field(default_factory=list)
 
 
-@_message("fetch", call=_INT, outputs=_LIST)
+@_message("fetch")
 class Fetch(Message):
     """Write the kept outputs of ``call`` into a (larger) outputs segment."""
 
@@ -401,16 +387,15 @@ class Fetch(Message):
     outputs: SegRef
 
 
-@_message("fetch_done", call=_INT, tensors=_METAS)
+@_message("fetch_done")
 class FetchDone(Message):
     """The outputs of ``call``, now in the larger segment (the structure came with ``forward_done``)."""
 
     call: int
-    tensors: list
+    tensors: Metas
 
 
-@_message("backward", call=_INT, step=_INT, grads=_LIST, grad_tensors=_METAS, input_grads=_LIST, hold=_BOOL,
-          sparse=_LIST, keep_as=_INT, requires_grad=_BYTES, together=_LIST, drop=_BYTES, retain_graph=_BOOL)
+@_message("backward")
 class Backward(Message):
     """Backpropagate ``grad_tensors`` (metas in ``grads``, ``None`` for no gradient) through ``call``.
 
@@ -437,7 +422,7 @@ class Backward(Message):
     call: int
     step: int
     grads: SegRef
-    grad_tensors: list
+    grad_tensors: Metas
     input_grads: SegRef
     hold: bool
     sparse: SegRef
@@ -448,8 +433,7 @@ class Backward(Message):
     retain_graph: bool = True
 
 
-@_message("backward_done", call=_INT, param_mask=_BYTES, input_grads=_METAS, busy=(float,), sparse=_LIST,
-          sparse_need=_INT, late=_BOOL, started=(float,), buffers=_LIST)
+@_message("backward_done")
 class BackwardDone(Message):
     """Parameter gradients are in the worker's gradient slot; ``param_mask`` says which exist.
 
@@ -465,7 +449,7 @@ class BackwardDone(Message):
 
     call: int
     param_mask: bytes
-    input_grads: list
+    input_grads: Metas
     busy: float
     sparse: list
     sparse_need: int
@@ -474,7 +458,7 @@ class BackwardDone(Message):
     buffers: list = field(default_factory=list)
 
 
-@_message("fetch_sparse", call=_INT, sparse=_LIST)
+@_message("fetch_sparse")
 class FetchSparse(Message):
     """Write the sparse gradients that ``call``'s backward kept into a (larger) sparse segment."""
 
@@ -482,7 +466,7 @@ class FetchSparse(Message):
     sparse: SegRef
 
 
-@_message("fetch_sparse_done", call=_INT, sparse=_LIST)
+@_message("fetch_sparse_done")
 class FetchSparseDone(Message):
     """The sparse gradients of ``call``, as in :class:`BackwardDone`."""
 
@@ -490,8 +474,7 @@ class FetchSparseDone(Message):
     sparse: list
 
 
-@_message("criterion", call=_INT, fn=_BYTES, tree=(object,), tensors=_METAS, inputs=_LIST, seed=_BYTES,
-          seed_dtype=_STR, input_grads=_LIST, step=_INT, requires_grad=_BYTES, together=_LIST)
+@_message("criterion")
 class Criterion(Message):
     """Apply a pickled loss module to the outputs ``call`` kept (``gather=False``) and this shard's targets.
 
@@ -506,7 +489,7 @@ class Criterion(Message):
     call: int
     fn: bytes
     tree: Any
-    tensors: list
+    tensors: Metas
     inputs: SegRef
     seed: bytes
     seed_dtype: str
@@ -516,8 +499,7 @@ class Criterion(Message):
     together: list
 
 
-@_message("criterion_done", call=_INT, index=_INT, value=(float,), denom=(float,), backward=_BOOL,
-          param_mask=_BYTES, input_grads=_METAS, busy=(float,), buffers=_LIST)
+@_message("criterion_done")
 class CriterionDone(Message):
     """The shard's summed loss (kept as output ``index`` of the call, for backward) and its denominator.
 
@@ -533,12 +515,12 @@ class CriterionDone(Message):
     denom: float
     backward: bool
     param_mask: bytes
-    input_grads: list
+    input_grads: Metas
     busy: float
     buffers: list = field(default_factory=list)
 
 
-@_message("forward_criterion", forward=_LIST, criterion=_LIST, together=_LIST)
+@_message("forward_criterion")
 class ForwardCriterion(Message):
     """A deferred :class:`Forward` and the :class:`Criterion` of its outputs in one request (see
     ``dpool.coordinator._Deferred``): the worker runs the forward, then the loss, and answers both at once.
@@ -552,7 +534,7 @@ class ForwardCriterion(Message):
     together: list
 
 
-@_message("forward_criterion_done", forward=_LIST, criterion_op=_STR, criterion=_LIST)
+@_message("forward_criterion_done")
 class ForwardCriterionDone(Message):
     """``forward``: the :class:`ForwardDone`'s fields (the forward keeps its outputs on the worker, so its
     metas say only what they are and ``need`` is 0: see :class:`Forward`'s ``keep``). ``criterion_op``
@@ -577,7 +559,7 @@ def values_of(msg: Message) -> list:
     return list(msg._values(msg))  # type: ignore[call-arg]
 
 
-@_message("inspect", release=_LIST)
+@_message("inspect")
 class Inspect(Message):
     """Coordinator → worker: what do you hold? (``DataParallel.stats(inspect=True)``). ``release``: calls
     whose graphs to free first, as in :class:`Forward`."""
@@ -585,7 +567,7 @@ class Inspect(Message):
     release: list
 
 
-@_message("inspect_done", graphs=_INT, rss=_INT)
+@_message("inspect_done")
 class InspectDone(Message):
     """The graphs the worker keeps for the coordinator (calls it can still backpropagate through) and its
     resident memory in bytes."""
@@ -594,19 +576,19 @@ class InspectDone(Message):
     rss: int
 
 
-@_message("call", fn=_BYTES)
+@_message("call")
 class Call(Message):
     """Run a pickled ``fn(replica)`` on the worker and return its pickled result."""
 
     fn: bytes
 
 
-@_message("call_done", result=_BYTES)
+@_message("call_done")
 class CallDone(Message):
     result: bytes
 
 
-@_message("output", stream=_INT, text=_STR)
+@_message("output")
 class Output(Message):
     """Attached (daemon) worker → client, at any time: text the replica printed. ``stream``: 1 stdout, 2 stderr.
 
@@ -617,7 +599,7 @@ class Output(Message):
     text: str
 
 
-@_message("allreduce", seq=_INT, data=_BYTES)
+@_message("allreduce")
 class AllReduce(Message):
     """Worker → coordinator, *during* a forward or backward: sum ``data`` (float64) over the round's shards.
 
@@ -629,7 +611,7 @@ class AllReduce(Message):
     data: bytes
 
 
-@_message("allreduce_done", seq=_INT, data=_BYTES, abort=_BOOL)
+@_message("allreduce_done")
 class AllReduceDone(Message):
     """The sum; ``abort`` when another shard failed, so that no worker waits forever."""
 
@@ -638,7 +620,7 @@ class AllReduceDone(Message):
     abort: bool
 
 
-@_message("bucket_ready", call=_INT, bucket=_INT)
+@_message("bucket_ready")
 class BucketReady(Message):
     """Worker → coordinator, *during* a backward: every parameter of gradient bucket ``bucket`` has its
     gradient in the worker's slot (cross-node mode; the buckets come with :class:`Init`'s ``options``).
@@ -653,8 +635,7 @@ class BucketReady(Message):
 
 
 # ---------------------------------------------------------------- dpool-workers daemon
-@_message("serve", endpoint=_STR, key=_BYTES, ident=_BYTES, control=_LIST, client_pid=_INT,
-          max_message_bytes=_INT)
+@_message("serve")
 class Serve(Message):
     """Daemon → warm worker: serve this client (connect to ``endpoint`` with the session ``key``)."""
 
@@ -666,7 +647,7 @@ class Serve(Message):
     max_message_bytes: int
 
 
-@_message("serve_done", steps=_INT, reason=_STR)
+@_message("serve_done")
 class ServeDone(Message):
     """Worker → daemon and client: the client session ended; the replica and its memory are gone."""
 
@@ -674,7 +655,7 @@ class ServeDone(Message):
     reason: str
 
 
-@_message("end_serve", client_pid=_INT)
+@_message("end_serve")
 class EndServe(Message):
     """Daemon → serving worker: client ``client_pid`` detached; end its session now (as for ``shutdown``).
 
@@ -696,13 +677,12 @@ class Challenge(Message):
     """
 
 
-@_message("challenge_done", challenge=_BYTES)
+@_message("challenge_done")
 class ChallengeDone(Message):
     challenge: bytes
 
 
-@_message("attach", pid=_INT, endpoint=_STR, nonce=_BYTES, control=_LIST, protocol=_INT,
-          max_message_bytes=_INT, challenge=_BYTES)
+@_message("attach")
 class Attach(Message):
     """Client → daemon: lend me the workers, and have them connect to ``endpoint``.
 
@@ -720,7 +700,7 @@ class Attach(Message):
     challenge: bytes = b""  # (see Challenge; filled in by dpool.daemon_client.request)
 
 
-@_message("attach_done", ok=_BOOL, workers=_LIST, error=_STR, threads=_INT, daemon_pid=_INT)
+@_message("attach_done")
 class AttachDone(Message):
     """``workers``: ``[index, device, pid, ident]`` each; ``error`` says why not (e.g. the holder's pid)."""
 
@@ -743,7 +723,7 @@ def session_key(pool_key: bytes, nonce: bytes) -> bytes:
     return hmac.digest(pool_key, b"dpool session key\x00" + nonce, "sha256")
 
 
-@_message("detach", pid=_INT, nonce=_BYTES, challenge=_BYTES)
+@_message("detach")
 class Detach(Message):
     """Client → daemon: the session of client ``pid`` that its attach with ``nonce`` began is over (its
     workers were told to end it, if it knew them). The nonce names the lease: a second ``wrap()`` of
@@ -759,19 +739,19 @@ class DetachDone(Message):
     pass
 
 
-@_message("status", challenge=_BYTES)
+@_message("status")
 class Status(Message):
     """Anyone holding the pool key → daemon: what are your workers doing?"""
 
     challenge: bytes = b""
 
 
-@_message("status_done", info=(dict,))
+@_message("status_done")
 class StatusDone(Message):
     info: dict
 
 
-@_message("stop", challenge=_BYTES)
+@_message("stop")
 class Stop(Message):
     """→ daemon: stop the workers and exit."""
 
@@ -788,14 +768,7 @@ class Shutdown(Message):
     pass
 
 
-@_message(
-    "failed",
-    stage=_STR,
-    module=_STR,
-    qualname=_STR,
-    message=_STR,
-    traceback=_STR,
-)
+@_message("failed")
 class Failed(Message):
     """Any request may be answered with this: the remote exception as strings.
 

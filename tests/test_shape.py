@@ -486,3 +486,14 @@ def test_every_message_is_built_by_keyword_on_both_sides():
                   for call in _message_calls(tree) if call.args
                   and isinstance(getattr(P, call.func.attr, None), type) and issubclass(getattr(P, call.func.attr), P.Message)]  # type: ignore[attr-defined]
     assert not positional, "messages built with positional arguments:\n" + "\n".join(positional)
+
+
+def test_each_protocol_field_is_declared_once():
+    """A message's fields are its annotations, which also say what a decoded body may hold there."""
+    from dpool import protocol as P
+
+    tree = _trees()["dpool/protocol.py"]
+    twice = [f"line {d.lineno}: {ast.unparse(d)}" for node in tree.body if isinstance(node, ast.ClassDef)
+             for d in node.decorator_list if isinstance(d, ast.Call) and d.keywords]
+    assert not twice, f"message fields declared again in the decorator: {twice}"
+    assert all(list(m._types) == [f.name for f in P.fields(m)] for m in P.MESSAGES.values())  # type: ignore[attr-defined]
