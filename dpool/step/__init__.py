@@ -1,8 +1,10 @@
 """One training step, coordinator side: :class:`Runtime` and the stages it composes.
 
 Read the code in this order: ``runtime`` (the facade) → ``forward`` → ``deferred`` → ``loss_round`` →
-``backward``, then what they share: ``plan`` (what a forward like the last one reuses) → ``rounds`` (requests, restarts) → ``replicas`` (binding, shipping,
-worker memory) → ``follow`` (the user's process) → ``state`` (the step's state) → ``hints`` (error text).
+``backward``, then what they share: ``plan`` (what a forward like the last one reuses) → ``rounds``
+(requests, restarts, the end of every round) → ``replicas`` (binding, shipping, worker memory) → ``parts``
+(what every stage is made from) → ``follow`` (the user's process) → ``state`` (the step's state and its
+named transitions) → ``hints`` (error text).
 
 ``CUT_POINTS`` lists every function of this package that runs during a step (a forward, a loss on the
 workers, a backward, and the restart a round that met a dead worker runs). Each was reviewed for a Ctrl-C at any point: ``tests/test_lifecycle.py`` cuts the
