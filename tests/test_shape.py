@@ -245,7 +245,7 @@ def _codes(fn: object) -> set:
 def test_every_function_a_step_runs_is_a_reviewed_cut_point(wrap):
     """Ctrl-C safety depends on statement order: a function of dpool.step that a forward, a loss on the
     workers or a backward runs must be on ``dpool.step.CUT_POINTS`` (and so reviewed, and cut at every
-    offset where it holds a ``try``: tests/test_lifecycle.py)."""
+    offset where it holds a ``try``: tests/test_ctrl_c.py)."""
     listed = {c for f in step.CUT_POINTS for c in _codes(f)}
     prefix = str(ROOT / "dpool" / "step")
     ran: set[object] = set()
@@ -276,7 +276,7 @@ def test_every_function_a_step_runs_is_a_reviewed_cut_point(wrap):
 def test_the_ctrl_c_tests_cut_only_listed_functions():
     """The every-offset Ctrl-C tests name their targets by object: each of dpool.step must be a listed cut point."""
     listed = {c for f in step.CUT_POINTS for c in _codes(f)}
-    src = (ROOT / "tests" / "test_lifecycle.py").read_text()
+    src = (ROOT / "tests" / "test_ctrl_c.py").read_text()
     names = sorted(set(re.findall(r"\b(fwd|rounds|replicas|deferred|loss_round)\.([A-Z]\w+)\.(\w+)", src)))
     modules = {"fwd": "forward"}
     targets = [getattr(getattr(getattr(step, modules.get(m, m)), cls), fn) for m, cls, fn in names]

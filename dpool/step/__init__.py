@@ -7,7 +7,7 @@ Read the code in this order: ``runtime`` (the facade) → ``forward`` → ``defe
 named transitions) → ``hints`` (error text).
 
 ``CUT_POINTS`` lists every function of this package that runs during a step (a forward, a loss on the
-workers, a backward, and the restart a round that met a dead worker runs). Each was reviewed for a Ctrl-C at any point: ``tests/test_lifecycle.py`` cuts the
+workers, a backward, and the restart a round that met a dead worker runs). Each was reviewed for a Ctrl-C at any point: ``tests/test_ctrl_c.py`` cuts the
 ones that hold a ``try`` at every offset, and ``tests/test_shape.py`` fails when a step runs a function
 of this package that is not listed, so a new one cannot escape that review.
 """

@@ -21,7 +21,7 @@ nothing), with grad enabled; ``DPOOL_FORWARD_WITH_LOSS=off`` turns it off. A cro
 forward's failure ends the node's part in the job wherever it runs, as in ``model(x)``.
 
 Ctrl-C: the calls a forward's messages tell the workers to release are told again (``Graphs.retell``)
-wherever the deferral, the round that sends it, or its dropping is cut; ``tests/test_lifecycle.py`` cuts
+wherever the deferral, the round that sends it, or its dropping is cut; ``tests/test_ctrl_c.py`` cuts
 each of them at every point.
 """
 from __future__ import annotations
