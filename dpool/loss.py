@@ -35,12 +35,25 @@ import cloudpickle
 import torch
 
 from . import gather as _gather
-from .bridge import Host, accumulates, enter_backward, leave_backward, track_release
-from .errors import DpoolValueError, UnsupportedError
+from .bridge import CallState, Host, accumulates, enter_backward, leave_backward, track_release
+from .errors import DpoolValueError, ModelChangedError, UnsupportedError
 from .tensors import to_bytes
 
 
 __all__ = ["ShardedOutput", "criterion"]
+
+
+class Unrun:
+    """The :class:`~dpool.bridge.CallState` stand-in of a deferred forward's :class:`ShardedOutput` until the
+    forward runs (see :mod:`dpool.step.deferred`): what is known before it (its call, shards and rows)."""
+
+    def __init__(self, *, call: int, k: int, rows: list[int], gin_sizes: list[int]) -> None:
+        self.call, self.k, self.rows, self.gin_sizes = call, k, rows, gin_sizes
+        self.refused: str | None = None  # why the forward never ran, if it was dropped for a changed parameter
+
+    def check(self) -> None:
+        if self.refused is not None:
+            raise ModelChangedError(self.refused)
 
 
 class ShardedOutput:
@@ -49,11 +62,13 @@ class ShardedOutput:
     Pass it to a :func:`criterion`, or call :meth:`gather` for the usual gathered output.
     """
 
-    def __init__(self, runtime: Host, call_state: Any, specs: list | None, diff_inputs: list) -> None:
+    def __init__(self, runtime: Host, call_state: CallState | Unrun, specs: list | None,
+                 diff_inputs: list[torch.Tensor]) -> None:
         self._runtime = runtime
-        # its CallState; a deferred forward's stand-in (dpool.step.forward.Unrun) until it ran, filled in then
-        self.call_state: Any = call_state
-        self.specs: Any = specs
+        # what the stages read (dpool.step.loss_round): its CallState (a deferred forward's Unrun until it ran,
+        # filled in then), its outputs' structure per shard, and the inputs that require grad
+        self.call_state = call_state
+        self.specs = specs
         self.diff_inputs = diff_inputs
 
     @property
@@ -557,10 +572,13 @@ def combine(runtime: Host, handle: ShardedOutput, replies: list, dtype: torch.dt
     box = _LossBox(runtime=runtime, handle=handle, value=value, denom=denom if denom else 1.0,
                    indices=[r.index for r in replies], guess=guess, crit=crit, param_idx=param_idx)
     grad_inputs = handle.diff_inputs + [runtime.params[i] for i in box.param_idx]
-    if torch.is_grad_enabled() and grad_inputs and any(handle.call_state.differentiable):
+    call_state = handle.call_state
+    assert isinstance(call_state, CallState)  # (its forward ran before its loss)
+    if torch.is_grad_enabled() and grad_inputs and any(call_state.differentiable):
         return LossBridge.apply(box, *grad_inputs)
     return value
 
 
 def build_output(handle: ShardedOutput, gathered: list) -> Any:
+    assert handle.specs is not None  # (its forward ran before its gather)
     return _gather.build(handle.specs, iter(gathered))

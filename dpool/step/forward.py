@@ -20,9 +20,8 @@ import torch
 from .. import gather as _gather, hook_gate, protocol as P, scatter as _scatter, tree as _tree
 from ..bridge import Bridge, CallState, Host
 from ..crossnode import FORWARD
-from ..errors import ModelChangedError
 from ..policies import forward_with_loss
-from ..loss import ShardedOutput
+from ..loss import ShardedOutput, Unrun
 from ..tensors import DTYPES, dtype_name, meta_nbytes, nbytes
 from ..transport.shm import check_free
 from . import follow, plan as _plan
@@ -31,7 +30,7 @@ from .replicas import ReplicaSet
 from .rounds import Rounds
 from .parts import StepParts
 
-__all__ = ["Forwards", "Planned", "Unrun", "Pending", "EARLIER_FORWARD"]
+__all__ = ["Forwards", "Planned", "Pending", "EARLIER_FORWARD"]
 
 log = logging.getLogger("dpool")
 
@@ -68,19 +67,6 @@ class Planned:
 
     def diff_inputs(self) -> list[torch.Tensor]:
         return [t for t, r in zip(self.tensors, self.rg) if r]
-
-
-class Unrun:
-    """The :class:`CallState` stand-in of a deferred forward's :class:`ShardedOutput` until the forward runs:
-    what is known before it (its call, shards and rows)."""
-
-    def __init__(self, f: Planned) -> None:
-        self.call, self.k, self.rows, self.gin_sizes = f.call, f.k, f.rows(), f.gin_sizes
-        self.refused: str | None = None  # why the forward never ran, if it was dropped for a changed parameter
-
-    def check(self) -> None:
-        if self.refused is not None:
-            raise ModelChangedError(self.refused)
 
 
 class Pending:
@@ -144,7 +130,8 @@ class Forwards:
                 for s in range(f.k):
                     io.keep(s, call, f.spans[s])
                 f.versions = [p._version for p in self.master.params]
-                handle = ShardedOutput(host, Unrun(f), None, f.diff_inputs())
+                handle = ShardedOutput(host, Unrun(call=f.call, k=f.k, rows=f.rows(), gin_sizes=f.gin_sizes), None,
+                                       f.diff_inputs())
                 f.handle = weakref.ref(handle)
                 state.defer(Pending(msgs, f))
                 return handle

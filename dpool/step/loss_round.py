@@ -16,11 +16,11 @@ import torch
 from .. import protocol as P, scatter as _scatter, tree as _tree
 from ..bridge import Bridge, CallState, Host
 from ..errors import DpoolValueError
-from ..loss import build_output, combine, predict_seed
+from ..loss import ShardedOutput, Speculation, Unrun, build_output, combine, criterion as Criterion, predict_seed
 from ..tensors import dtype_name, meta_nbytes
 from .backward import Backwards, params_changed
 from .deferred import Deferred
-from .forward import Forwards, Unrun, loss_dtype, out_shapes
+from .forward import Forwards, loss_dtype, out_shapes
 from .plan import Placements, shapes_of
 from .replicas import ReplicaSet
 from .rounds import Rounds
@@ -43,7 +43,7 @@ class LossRound:
         self.forwards, self.deferred, self.backwards = forwards, deferred, backwards
         self.targets = Placements(parts.setup.n)  # each shard's targets, where they went last
 
-    def criterion(self, host: Host, handle: Any, crit: Any, targets: tuple) -> torch.Tensor:
+    def criterion(self, host: Host, handle: ShardedOutput, crit: Criterion, targets: tuple) -> torch.Tensor:
         """Compute ``crit`` on every shard of ``handle``; the full-batch loss (see :meth:`dpool.step.Runtime.criterion`)."""
         call_state = handle.call_state
         pending = self.state.pending
@@ -57,16 +57,16 @@ class LossRound:
             if isinstance(call_state, Unrun):
                 call_state.check()
         fn = crit.payload()  # (the loss may have changed since the last step)
-        if pending is None and not self.graphs.kept(call_state.call):
-            raise RuntimeError(_GONE)
+        ran = self._ran(call_state) if pending is None else None
         tensors: list[torch.Tensor] = []
         spec = _tree.flatten(tuple(targets), tensors)
         k, rows = call_state.k, call_state.rows
         shards = self._target_shards(tensors, k, rows)
-        if pending is None:
-            dtype = loss_dtype(call_state.metas)
-            shapes = out_shapes(call_state.metas, handle.specs)
-            differentiable = any(call_state.differentiable)
+        if ran is not None:
+            dtype = loss_dtype(ran.metas)
+            assert handle.specs is not None  # (filled in with its call state)
+            shapes = out_shapes(ran.metas, handle.specs)
+            differentiable = any(ran.differentiable)
         else:  # the forward has not run: the previous forward's, checked against this one's once it ran
             dtype, last_shapes, last_rows = self.state.last_out
             shapes = last_shapes if last_rows == rows else [None] * k
@@ -97,8 +97,9 @@ class LossRound:
             self.io.keep(s, (call_state.call, "targets", id(span[0]), span[1]), span)
         if pending is not None:
             replies = self.deferred.synced(pending.f, lambda: self.deferred.forward_and_loss(host, pending, msgs))
-            call_state = handle.call_state
-            real = loss_dtype(call_state.metas)
+            done_state = handle.call_state
+            assert isinstance(done_state, CallState)  # (the forward ran: finish() filled it in)
+            real = loss_dtype(done_state.metas)
             if real != dtype:  # predicted from the previous forward: a guess made with it cannot be used
                 dtype, guess = real, None
         else:
@@ -109,6 +110,15 @@ class LossRound:
             self._settle(crit, guess, done, speculate, flags)
         return combine(runtime=host, handle=handle, replies=done, dtype=dtype, reduction=crit.reduction, guess=guess,
                        crit=crit, param_idx=param_idx)
+
+    def _ran(self, call_state: CallState | Unrun) -> CallState:
+        """The call state of outputs kept on the workers, whose forward ran; raises if they are gone (a forward
+        that never ran was dropped: :meth:`Unrun.check` says why, for a changed parameter)."""
+        if isinstance(call_state, Unrun):
+            call_state.check()
+        if isinstance(call_state, Unrun) or not self.graphs.kept(call_state.call):
+            raise RuntimeError(_GONE)
+        return call_state
 
     def _target_shards(self, tensors: list[torch.Tensor], k: int, rows: list[int]) -> list[list[Any]]:
         """The targets split over the workers like the inputs, row for row."""
@@ -123,13 +133,14 @@ class LossRound:
                     "docs/features.md), or compute the loss on out.gather().")
         return _scatter.shard_views(tensors, [rows if t.dim() > dim else None for t in tensors], k, dim)
 
-    def _speculates(self, crit: Any, guess: Any) -> bool:
+    def _speculates(self, crit: Criterion, guess: Speculation | None) -> bool:
         """Whether the workers run the loss's backward in its round."""
         state, allowed = self.state, crit.speculation.allows()
         return (guess is not None and allowed and self.replicas.speculable and not self.setup.cuda
                 and not state.no_sync and not state.workers_hold)
 
-    def _messages(self, call_state: Any, fn: bytes, spec: Any, shards: list[list[Any]], guess: Any,
+    def _messages(self, call_state: CallState | Unrun, fn: bytes, spec: Any, shards: list[list[Any]],
+                  guess: Speculation | None,
                   dtype: torch.dtype, flags: bytes, together: list) -> tuple[dict[int, P.Message], list]:
         """Each shard's targets placed after its inputs, and its message (with the speculated seed); the
         targets' spans."""
@@ -147,14 +158,14 @@ class LossRound:
                                   together=together)
         return msgs, spans
 
-    def _settle(self, crit: Any, guess: Any, done: list[Any], speculate: bool, flags: bytes) -> None:
+    def _settle(self, crit: Criterion, guess: Speculation, done: list[Any], speculate: bool, flags: bytes) -> None:
         """Record whether the speculative backward ran, and with the denominators predicted (the seed depends
         on them): only then may ``loss.backward()`` use it."""
         matched = guess.matches([r.denom for r in done])
         ran = speculate and all(r.backward for r in done) and matched
         crit.speculation.settle(guess, matched, self.state.slots.token() if ran else None, done, flags)
 
-    def backward_speculated(self, call_state: CallState, guess: Any, hit: bool, crit: Any,
+    def backward_speculated(self, call_state: CallState, guess: Speculation, hit: bool, crit: Criterion,
                             param_idx: Sequence[int]) -> list[torch.Tensor | None] | None:
         """The gradients of a criterion's loss whose backward the workers ran with it, or ``None``: run the
         backward round instead (see :meth:`dpool.step.Runtime.backward_speculated`)."""
@@ -183,14 +194,10 @@ class LossRound:
         self.backwards.gate_hooks(param_grads, param_idx)
         return input_grads + [param_grads[i] for i in param_idx]
 
-    def gather_kept(self, handle: Any) -> Any:
+    def gather_kept(self, handle: ShardedOutput) -> Any:
         """Gather outputs kept on the workers, through the autograd bridge."""
-        call_state = handle.call_state
         self.rounds.check_usable()
-        if isinstance(call_state, Unrun):
-            call_state.check()
-        if not self.graphs.kept(call_state.call):
-            raise RuntimeError(_GONE)
+        call_state = self._ran(handle.call_state)
         sizes = {s: sum(meta_nbytes(m) for m in call_state.metas[s]) or 64 for s in range(call_state.k)}
         replies = self.rounds.fetch(lambda s, ref: P.Fetch(call=call_state.call, outputs=ref), "out", sizes,
                                     "returning outputs", "gather")
