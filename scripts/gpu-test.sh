@@ -55,7 +55,7 @@ fi
 shift
 if [ $# -eq 0 ]; then  # the whole suite in six groups of about equal time
   set -- "tests/test_cuda.py tests/test_examples_bench.py" tests/test_faults.py \
-    "tests/test_daemon.py tests/test_bad_input.py tests/test_stages.py tests/test_errors.py" \
+    "tests/test_daemon.py tests/test_bad_input.py tests/test_building_blocks.py tests/test_errors.py" \
     "tests/test_multinode.py tests/test_semantics.py tests/test_parity.py" "tests/test_lifecycle.py tests/test_ctrl_c.py" rest
 fi
 PYTHON=$PY exec bash scripts/pytest-groups.sh "$@"

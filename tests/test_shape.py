@@ -1,6 +1,6 @@
 """The shape of the code: rules that keep the step composed (see docs/design.md, "Modules").
 
-Beside ``test_stages.py``'s import check: class and function sizes, test files' sizes, the facade's size and attributes,
+Beside ``test_building_blocks.py``'s import check: class and function sizes, test files' sizes, the facade's size and attributes,
 messages built by keyword in the stage that owns them, knobs read in one place, no import cycle even
 for type checkers, no timings in comments, and every function a step runs reviewed for Ctrl-C.
 """

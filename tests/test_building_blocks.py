@@ -1,8 +1,8 @@
-"""The stages of a step, in process: no worker is started, each stage module is called directly.
+"""The modules a step is built from, in process: no worker is started, each is called directly.
 
-These run in milliseconds and pin down each stage's contract (tree, scatter, gather, reduce, the
-I/O regions, the codec and the channel); the end-to-end tests check that they compose into a step
-that matches a single-process reference.
+These run in milliseconds and pin down each building block's contract (tree, scatter, gather, reduce,
+the I/O regions, the codec and the channel); the step's own decisions are tests/test_step_units.py's,
+and the end-to-end tests check that they compose into a step that matches a single-process reference.
 """
 from __future__ import annotations
 
