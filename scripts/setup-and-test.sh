@@ -36,9 +36,9 @@ tests=0
 PYTHON=python bash scripts/pytest-groups.sh \
   "tests/test_multinode.py tests/test_faults.py tests/test_hardening.py tests/test_daemon.py tests/test_doctor.py \
 tests/test_examples_bench.py tests/test_bad_input.py" \
-  "tests/test_lifecycle.py tests/test_integration_transformers.py tests/test_integration_lightning.py \
+  "tests/test_lifecycle.py tests/test_ctrl_c.py tests/test_integration_transformers.py tests/test_integration_lightning.py \
 tests/test_integration_accelerate.py tests/test_integration_sentence_transformers.py tests/test_integration_trl.py \
-tests/test_install.py tests/test_errors.py tests/test_ctrl_c.py tests/test_release.py tests/test_doc_snippets.py" \
+tests/test_install.py tests/test_errors.py tests/test_release.py tests/test_doc_snippets.py" \
   rest || tests=$?
 checks_ok=0
 finish_checks || checks_ok=1
