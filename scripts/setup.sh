@@ -37,3 +37,7 @@ then
   python -m pip install --quiet -e ".[$EXTRAS]"
   echo "$WANT" > "$STAMP"
 fi
+# An editable install compiles none of the checkout's modules, and where PYTHONDONTWRITEBYTECODE is set no
+# process writes them either: then every worker would compile dpool, its worker package and the module of the
+# model it unpickles (a test's, an example's) again at its start. Compiled once here; stale files are redone.
+python -m compileall -q -j 0 dpool workers tests benchmarks examples >/dev/null
